@@ -1,0 +1,1 @@
+from relax.cli import main; import sys; sys.exit(main())

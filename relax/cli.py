@@ -1,0 +1,167 @@
+"""The ``relax`` command line.
+
+Exit codes: 0 success, 1 the run failed at run time, 2 the spec or the command line is invalid.
+User errors print a message, never a traceback. ``validate``, ``plan``, ``schema`` and ``plugins``
+import neither torch nor ray; ``run`` imports the runtime only after the spec is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from relax import __version__
+from relax.spec.errors import SpecError
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command-line mistake (exit 2)."""
+
+
+def _load(spec_ref: str, overrides: list[str]):
+    from relax.config import load_spec_dict
+    from relax.spec import validate_spec
+
+    raw, base_dir = load_spec_dict(spec_ref, overrides)
+    return validate_spec(raw, base_dir=base_dir), base_dir
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    spec, _ = _load(args.spec, args.overrides)
+    from relax.spec.rules import gpus_requested
+
+    gpus = gpus_requested(spec)
+    where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
+    print(f"ok: {spec.name} is valid ({spec.algorithm.name}, {spec.placement.mode} mode, "
+          f"max_staleness {spec.async_policy.max_staleness}, {where})")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec, base_dir = _load(args.spec, args.overrides)
+    from relax.plan import make_plan, render
+
+    plan = make_plan(spec, base_dir=base_dir)
+    print(render(plan, args.format), end="")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec, base_dir = _load(args.spec, args.overrides)
+    from relax.plan import make_plan
+
+    plan = make_plan(spec, base_dir=base_dir)
+    from relax.runtime.launch import run_spec  # heavy imports start here
+
+    return run_spec(spec, plan, base_dir=base_dir, resume=args.resume)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from relax.spec.schema import schema_text, spec_reference_markdown
+
+    if args.write:
+        root = Path(args.root)
+        (root / "schemas").mkdir(parents=True, exist_ok=True)
+        (root / "docs").mkdir(parents=True, exist_ok=True)
+        (root / "schemas" / "run-spec.schema.json").write_text(schema_text())
+        (root / "docs" / "spec-reference.md").write_text(spec_reference_markdown())
+        print(f"wrote {root / 'schemas' / 'run-spec.schema.json'} and {root / 'docs' / 'spec-reference.md'}")
+    else:
+        print(schema_text(), end="")
+    return EXIT_OK
+
+
+def _plugin_rows(kind_filter: str | None) -> list[dict[str, Any]]:
+    from relax.contracts import PluginKind
+    from relax.registry import PluginError, get_registry
+
+    registry = get_registry()
+    rows = []
+    for kind in PluginKind:
+        if kind_filter and kind.value != kind_filter:
+            continue
+        for name, entry in sorted(registry.entries(kind).items()):
+            row: dict[str, Any] = {"kind": kind.value, "name": name, "target": entry.target,
+                                   "distribution": entry.distribution, "version": entry.version}
+            try:
+                cls = registry.load(kind, name)
+                row["options"] = {key: (field.description or "").split("\n")[0]
+                                  for key, field in cls.Config.model_fields.items()}
+                row["status"] = "ok"
+            except PluginError as exc:
+                row["options"], row["status"] = {}, f"error: {exc}"
+            rows.append(row)
+    return rows
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    rows = _plugin_rows(args.kind)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    current = None
+    for row in rows:
+        if row["kind"] != current:
+            current = row["kind"]
+            print(f"{current}:")
+        status = "" if row["status"] == "ok" else f"  [{row['status']}]"
+        print(f"  {row['name']:<22} {row['distribution']} {row['version']}  ({row['target']}){status}")
+        for key, desc in row["options"].items():
+            print(f"      {key}: {desc}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relax", description="Asynchronous RL post-training engine.")
+    parser.add_argument("--version", action="version", version=f"relax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def spec_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("spec", help="a YAML/JSON run spec, or a preset name (e.g. tiny-cpu)")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.kl_coef=0.01")
+        p.set_defaults(func=func)
+        return p
+
+    spec_command("validate", "check a run spec and report every problem", cmd_validate)
+    plan = spec_command("plan", "show where every role runs and its memory, without starting anything", cmd_plan)
+    plan.add_argument("--format", choices=["table", "json", "dot", "mermaid"], default="table")
+    run = spec_command("run", "train", cmd_run)
+    run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
+    schema.add_argument("--write", action="store_true",
+                        help="write schemas/run-spec.schema.json and docs/spec-reference.md under --root")
+    schema.add_argument("--root", default=".", help="project root for --write")
+    schema.set_defaults(func=cmd_schema)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
+    plugins.add_argument("--kind", help="only this kind (rollout, trainer, rewards, ...)")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_INVALID
+    except UsageError as exc:
+        print(f"relax: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("relax: interrupted", file=sys.stderr)
+        return EXIT_RUN_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Load a run spec file into a plain dict: YAML/JSON, ``extends:``, ``${...}`` and overrides.
+
+Loading is safe: YAML goes through omegaconf's safe loader, and only omegaconf's built-in
+resolvers (``${oc.env:...}`` and friends) exist, none of which runs code from the spec.
+Problems are raised as ``SpecError`` with the offending path, like validation errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from relax.spec.errors import SpecError, SpecIssue
+
+#: Folders searched for ``extends: <name>`` besides the spec's own folder.
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
+PRESETS_ENV = "RELAX_PRESETS_PATH"
+MAX_EXTENDS_DEPTH = 16
+
+
+def preset_dirs() -> list[Path]:
+    """Where preset names are looked up: ``$RELAX_PRESETS_PATH`` entries, then ``presets/``."""
+    extra = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
+    return [*extra, PRESETS_DIR]
+
+
+def list_presets() -> list[str]:
+    """Names of the presets that ``extends:`` (and ``relax run <name>``) accept."""
+    names = set()
+    for folder in preset_dirs():
+        if folder.is_dir():
+            names.update(p.stem for p in folder.glob("*.yaml"))
+    return sorted(names)
+
+
+def resolve_spec_path(ref: str, base_dir: Path) -> Path:
+    """A spec reference as a file: a path (relative to ``base_dir``) or a preset name."""
+    candidate = Path(ref).expanduser()
+    candidate = candidate if candidate.is_absolute() else base_dir / candidate
+    if candidate.is_file():
+        return candidate
+    if not candidate.suffix:
+        for folder in preset_dirs():
+            preset = folder / f"{ref}.yaml"
+            if preset.is_file():
+                return preset
+    raise FileNotFoundError(ref)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError([SpecIssue("", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}",
+                                   "fix the syntax")]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([SpecIssue("", f"{path} is not valid YAML{where}: {problem}",
+                                   "fix the syntax")]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError([SpecIssue("", f"{path} holds a {type(data).__name__}, not a mapping",
+                                   "a run spec is a mapping of sections (name:, model:, ...)")])
+    return data
+
+
+def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
+    if path in chain or len(chain) > MAX_EXTENDS_DEPTH:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise SpecError([SpecIssue("extends", f"extends loops: {cycle}", "remove the cycle")])
+    data = _read(path)
+    parent = data.get("extends")
+    try:
+        node = OmegaConf.create(data)
+    except OmegaConfBaseException as exc:
+        raise SpecError([SpecIssue("", f"{path}: {exc}", "")]) from None
+    if parent is None:
+        return node
+    if not isinstance(parent, str):
+        raise SpecError([SpecIssue("extends", f"{parent!r} is not a preset name or a path",
+                                   "give a string")])
+    try:
+        parent_path = resolve_spec_path(parent, path.parent)
+    except FileNotFoundError:
+        raise SpecError([SpecIssue("extends", f"no preset or file named '{parent}' (from {path})",
+                                   f"use a path or one of the presets: {', '.join(list_presets())}")]) from None
+    base = _load_tree(parent_path.resolve(), (*chain, path))
+    merged = OmegaConf.merge(base, node)
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``a.b.c=value`` -> (``a.b.c``, value parsed as YAML: numbers, booleans, lists, null)."""
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise SpecError([SpecIssue("", f"override '{item}' is not of the form a.b.c=value",
+                                   "write e.g. algorithm.kl_coef=0.01")])
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key, parsed
+
+
+def _apply_override(cfg: DictConfig, key: str, value: Any) -> None:
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    except (OmegaConfBaseException, IndexError, ValueError, TypeError) as exc:
+        raise SpecError([SpecIssue(key, f"override cannot be applied: {exc}".splitlines()[0],
+                                   "check the path exists in the spec (lists take an index: rewards.0.weight)")]) from None
+
+
+def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
+    """The spec as a plain dict, and the folder relative paths in it are taken from.
+
+    ``ref`` is a file path or a preset name. ``extends`` chains are merged base-first, overrides
+    are applied last, then ``${...}`` interpolations are resolved.
+    """
+    try:
+        path = resolve_spec_path(str(ref), Path.cwd()).resolve()
+    except FileNotFoundError:
+        raise SpecError([SpecIssue("", f"spec '{ref}' is neither a file nor a preset",
+                                   f"give a YAML/JSON path or one of: {', '.join(list_presets())}")]) from None
+    cfg = _load_tree(path, ())
+    for item in overrides:
+        _apply_override(cfg, *parse_override(item))
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        message = str(exc).splitlines()[0]
+        raise SpecError([SpecIssue(str(key), f"cannot resolve interpolation: {message}",
+                                   "refer to an existing key, e.g. ${name}")]) from None
+    assert isinstance(data, dict)
+    return _plain(data), path.parent
+
+
+def _plain(value: Any) -> Any:
+    """omegaconf containers to plain Python, keys as strings."""
+    if isinstance(value, (dict, DictConfig)):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, ListConfig)):
+        return [_plain(v) for v in value]
+    return value

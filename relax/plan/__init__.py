@@ -1,0 +1,121 @@
+"""``relax plan``: resolve a validated spec into a ``Plan`` (pure data; no torch, no ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relax.contracts import PluginKind
+from relax.plan.memory import resident_phases, rollout_memory, trained_role_memory
+from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleInstance
+from relax.plan.placement import gpu_fractions, plan_placement
+from relax.plan.render import render
+from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
+from relax.registry import PluginError, get_registry
+from relax.spec.architecture import ModelArchitecture
+from relax.spec.errors import SpecError, SpecIssue
+from relax.spec.models import RunSpec
+from relax.spec.validate import resolve_architecture
+
+__all__ = ["Plan", "make_plan", "render"]
+
+ACCURACY_NOTE = ("memory estimates follow docs/plan.md; expect them within about 20% for dense "
+                 "models and 30% for MoE and multimodal models (allocator fragmentation and "
+                 "framework buffers of 1-3 GiB per GPU are not included)")
+
+
+def _sharding(spec: RunSpec, backend: str) -> str:
+    try:
+        cls = get_registry().load(PluginKind.trainer, backend)
+    except PluginError:
+        return "none"
+    return getattr(cls, "memory_sharding", "none")
+
+
+def _instance_items(inst: RoleInstance, spec: RunSpec, arch: ModelArchitecture,
+                    cache: dict[str, list[MemoryItem]]) -> list[MemoryItem]:
+    if inst.role not in cache:
+        if inst.role == "rollout":
+            cache[inst.role] = rollout_memory(spec, arch)
+        else:
+            role = spec.trained_roles().get(inst.role)
+            if role is None:  # CPU workers: reward, advantage
+                cache[inst.role] = []
+            else:
+                dp = max(1, role.gpus // role.parallel.model_parallel)
+                cache[inst.role] = trained_role_memory(inst.role, role, spec, arch,
+                                                       _sharding(spec, role.backend), dp)
+    return cache[inst.role]
+
+
+def estimate_memory(spec: RunSpec, arch: ModelArchitecture, instances: list[RoleInstance]) -> list[DeviceMemory]:
+    """Per GPU (and per host for CPU roles): what each role keeps there, and the resident peak."""
+    cache: dict[str, list[MemoryItem]] = {}
+    devices: dict[tuple[int, int | None], tuple[list[str], list[MemoryItem]]] = {}
+    for inst in instances:
+        items = _instance_items(inst, spec, arch, cache)
+        for gpu in inst.gpus or [None]:
+            roles, held = devices.setdefault((inst.node, gpu), ([], []))
+            if inst.role not in roles:
+                roles.append(inst.role)
+                held.extend(items)
+    colocate = spec.placement.mode == "colocate"
+    out = []
+    for (node, gpu), (roles, items) in sorted(devices.items(), key=lambda kv: (kv[0][0], kv[0][1] is None, kv[0][1] or 0)):
+        phases = resident_phases(items, colocate)
+        out.append(DeviceMemory(node=node, gpu=gpu, roles=roles, items=items, phases=phases,
+                                peak_gib=max(phases.values(), default=0.0),
+                                capacity_gib=spec.cluster.gpu_memory_gb if gpu is not None else None))
+    return out
+
+
+def memory_issues(devices: list[DeviceMemory]) -> list[SpecIssue]:
+    """One issue per role whose GPUs are estimated over capacity (at its worst GPU)."""
+    worst: dict[str, DeviceMemory] = {}
+    for dev in devices:
+        if dev.capacity_gib is None or dev.peak_gib <= dev.capacity_gib:
+            continue
+        by_role: dict[str, float] = {}
+        for item in dev.items:
+            by_role[item.role] = by_role.get(item.role, 0.0) + item.gib
+        heaviest = max(by_role, key=by_role.__getitem__)
+        if heaviest not in worst or dev.peak_gib > worst[heaviest].peak_gib:
+            worst[heaviest] = dev
+    issues = []
+    for role, dev in sorted(worst.items()):
+        parts = ", ".join(f"{i.role} {i.what} {i.gib:.1f}" for i in dev.items if i.gib >= 0.05)
+        issues.append(SpecIssue(
+            f"roles.{role}", f"estimated {dev.peak_gib:.1f} GiB on node {dev.node} GPU {dev.gpu} exceeds "
+            f"cluster.gpu_memory_gb={dev.capacity_gib:g} ({parts})",
+            "raise tensor/pipeline parallel, enable gradient_checkpointing, lower micro_batch_size "
+            "or max_new_tokens, or give the role more GPUs"))
+    return issues
+
+
+def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool = True) -> Plan:
+    """The placement, bus topology, weight-sync edges, staleness schedule and memory of a spec.
+
+    Raises ``SpecError`` when the spec cannot be laid out on its cluster or is estimated to run
+    out of GPU memory.
+    """
+    pools, instances = plan_placement(spec)
+    gpu_fractions(instances)
+    arch, _ = resolve_architecture(spec.model.path, base_dir or Path.cwd(), get_registry())
+    notes = [ACCURACY_NOTE]
+    memory: list[DeviceMemory] = []
+    if arch is None:
+        notes.append(f"the architecture of {spec.model.path} is unknown here (no local config.json "
+                     "and no shipped card), so memory is not estimated")
+    else:
+        memory = estimate_memory(spec, arch, instances)
+        if check_memory:
+            issues = memory_issues(memory)
+            if issues:
+                raise SpecError(issues)
+    return Plan(
+        run=spec.name, mode=spec.placement.mode, nodes=spec.cluster.nodes,
+        gpus_per_node=spec.cluster.gpus_per_node,
+        gpus_used=sum(p.gpu_count for p in pools), model=spec.model.path,
+        model_params=arch.params_total() if arch else None,
+        pools=pools, instances=instances, bus=bus_fields(spec), weight_sync=weight_sync_edges(spec),
+        staleness=staleness_schedule(spec), memory=memory, notes=notes,
+    )

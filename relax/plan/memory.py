@@ -1,0 +1,132 @@
+"""Memory estimates per GPU from the model's architecture and each role's parallelism.
+
+The accounting (documented with its error bars in ``docs/plan.md``):
+
+- Trained roles keep weights and optimizer state, and gradients during a step (freed after it). Per parameter, in bytes: float32
+  4 + 4 + 8 (Adam m, v); bfloat16/float16 2 + 2 + 12 (fp32 master copy, m, v), as in the ZeRO
+  paper. SGD keeps no state (plus the fp32 master copy in mixed precision).
+- Parameters on one GPU: non-expert parameters / (tp x pp) + expert parameters / (ep x pp).
+- Sharding over data parallel ranks follows the backend's ``memory_sharding`` attribute: ``full``
+  (FSDP/ZeRO-3: weights, gradients and optimizer), ``optimizer`` (a distributed optimizer) or
+  ``none``.
+- Activations per layer with flash attention: s x b x h x (10 + 24 / tp) bytes at 2-byte precision
+  (Korthikanti et al. 2022, without the attention-score term), for s tokens (sequence / cp) and a
+  micro-batch of b; 1F1B pipelining keeps pp micro-batches in flight on the first stage, so the
+  first stage holds about all L layers' worth. Gradient checkpointing keeps 2 x s x b x h bytes per
+  layer plus one full layer.
+- Log-probs need the logits in float32: b x s x vocab / tp x 4 bytes, doubled in training (their
+  gradient).
+- Rollout engines keep weights / (tp x pp) and a KV cache for the step's sequences:
+  2 x (L / pp) x ceil(kv_heads / tp) x head_dim x bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+from relax.plan.model import MemoryItem
+from relax.spec.architecture import ModelArchitecture
+from relax.spec.models import ForwardRole, RunSpec, TrainRole
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _gib(n_bytes: float) -> float:
+    return round(n_bytes / GIB, 3)
+
+
+def params_per_gpu(arch: ModelArchitecture, tp: int, pp: int, ep: int) -> float:
+    """Parameters held by one model-parallel rank."""
+    experts = arch.num_layers * arch.expert_params() if arch.is_moe else 0
+    dense = arch.params_total() - experts
+    return dense / (tp * pp) + experts / (ep * pp)
+
+
+def state_bytes_per_param(dtype: str, optimizer: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes per parameter."""
+    width = DTYPE_BYTES[dtype]
+    mixed = width < 4
+    if optimizer == "sgd":
+        return width, width, 4 if mixed else 0
+    return width, width, 12 if mixed else 8
+
+
+def sequence_tokens(spec: RunSpec) -> int:
+    """The longest sample: prompt plus response tokens."""
+    return spec.data.max_prompt_tokens + spec.roles.rollout.sampling.max_new_tokens
+
+
+def trained_role_memory(
+    name: str, role: ForwardRole, spec: RunSpec, arch: ModelArchitecture, sharding: str,
+    data_parallel: int,
+) -> list[MemoryItem]:
+    """Per-GPU memory of one rank of a trained (or forward-only) role."""
+    par = role.parallel
+    width = DTYPE_BYTES[spec.model.dtype]
+    params = params_per_gpu(arch, par.tp, par.pp, par.ep)
+    trains = isinstance(role, TrainRole)
+    optimizer = role.optimizer.name if isinstance(role, TrainRole) else "sgd"
+    w_bytes, g_bytes, o_bytes = state_bytes_per_param(spec.model.dtype, optimizer)
+    dp = max(1, data_parallel)
+    shard_w = dp if sharding == "full" else 1
+    shard_o = dp if sharding in ("full", "optimizer") else 1
+    items = [MemoryItem(role=name, what="weights", gib=_gib(params * w_bytes / shard_w))]
+    if trains:
+        items.append(MemoryItem(role=name, what="gradients", gib=_gib(params * g_bytes / shard_w), transient=True))
+        items.append(MemoryItem(role=name, what="optimizer", gib=_gib(params * o_bytes / shard_o)))
+    seq = sequence_tokens(spec) / par.cp
+    batch = role.micro_batch_size
+    scale = width / 2  # the activation formula is for 2-byte activations
+    per_layer = seq * batch * arch.hidden_size * (10 + 24 / par.tp) * scale
+    if not trains:
+        activations = per_layer  # forward only: one layer's tensors are alive at a time
+    elif isinstance(role, TrainRole) and role.gradient_checkpointing:
+        activations = arch.num_layers * 2 * seq * batch * arch.hidden_size * scale + per_layer
+    else:
+        activations = arch.num_layers * per_layer
+    logits = batch * seq * arch.vocab_size / par.tp * 4 * (2 if trains else 1)
+    items.append(MemoryItem(role=name, what="activations", gib=_gib(activations), transient=True))
+    items.append(MemoryItem(role=name, what="logits", gib=_gib(logits), transient=True))
+    return items
+
+
+def rollout_memory(spec: RunSpec, arch: ModelArchitecture) -> list[MemoryItem]:
+    """Per-GPU memory of one GPU of a rollout engine."""
+    rollout = spec.roles.rollout
+    par = rollout.parallel
+    width = DTYPE_BYTES[spec.model.dtype]
+    weights = arch.params_total() * width / (par.tp * par.pp)
+    sequences = math.ceil(spec.algorithm.prompts_per_step * spec.algorithm.samples_per_prompt / rollout.replicas)
+    per_token = 2 * (arch.num_layers / par.pp) * math.ceil(arch.num_kv_heads / par.tp) * arch.head_dim * width
+    kv = sequences * sequence_tokens(spec) * per_token
+    logits = sequences * arch.vocab_size * 4
+    return [
+        MemoryItem(role="rollout", what="weights", gib=_gib(weights)),
+        MemoryItem(role="rollout", what="kv_cache", gib=_gib(kv), transient=True),
+        MemoryItem(role="rollout", what="logits", gib=_gib(logits), transient=True),
+    ]
+
+
+def resident_phases(items: list[MemoryItem], colocate: bool) -> dict[str, float]:
+    """GiB resident per phase on one device.
+
+    Roles sharing a device run their transient work at different times, so a phase holds every
+    role's persistent state plus the largest transient footprint of the roles active in it. In
+    colocate mode the rollout engine sleeps (frees its weights and KV cache) while training.
+    """
+    def transient_peak(roles: set[str]) -> float:
+        by_role: dict[str, float] = {}
+        for item in items:
+            if item.transient and item.role in roles:
+                by_role[item.role] = by_role.get(item.role, 0.0) + item.gib
+        return max(by_role.values(), default=0.0)
+
+    roles = {item.role for item in items}
+    trained = roles - {"rollout"}
+    persistent = {r: sum(i.gib for i in items if i.role == r and not i.transient) for r in roles}
+    if colocate and "rollout" in roles:
+        generate = sum(persistent.values()) + transient_peak({"rollout"})
+        train = sum(persistent[r] for r in trained) + transient_peak(trained)
+        return {"generate": round(generate, 3), "train": round(train, 3)}
+    return {"run": round(sum(persistent.values()) + transient_peak(roles), 3)}

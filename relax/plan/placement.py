@@ -1,0 +1,197 @@
+"""Resolve a spec's roles into pools (placement groups), bundles and role instances.
+
+GPUs are handed out node by node, pool by pool, in units that must not straddle a node: a rollout
+engine's tp x pp GPUs, a trained role's tensor-parallel group. Which roles share a pool follows the
+placement mode:
+
+- colocate: one pool for the actor, rollout and every other model role (they time-share GPUs);
+- separate: a pool per role;
+- hybrid: the rollout alone; reference, actor_fwd and the advantage worker inside the actor's pool.
+
+Reward and advantage workers are CPU bundles. A spec that cannot be laid out raises ``SpecError``
+with the path to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from relax.plan.model import Bundle, Pool, RoleInstance
+from relax.spec.errors import SpecError, SpecIssue
+from relax.spec.models import ForwardRole, RunSpec
+
+CPUS_PER_GPU_BUNDLE = 1.0
+
+
+@dataclass
+class GpuCursor:
+    """Hands out GPUs in node order; a unit never spans two nodes."""
+
+    nodes: int
+    per_node: int
+    node: int = 0
+    gpu: int = 0
+
+    def take(self, size: int, path: str) -> list[tuple[int, int]]:
+        if size > self.per_node:
+            raise SpecError([SpecIssue(path, f"a group of {size} GPUs would span nodes (each node has "
+                                             f"{self.per_node})", f"keep it at or below {self.per_node}")])
+        if self.gpu + size > self.per_node:
+            self.node, self.gpu = self.node + 1, 0
+        if self.node >= self.nodes:
+            raise SpecError([SpecIssue("cluster", f"the roles do not fit: {path} needs {size} more GPUs on one "
+                                       "node after the earlier roles took theirs",
+                                       "add nodes, or choose group sizes that divide cluster.gpus_per_node")])
+        taken = [(self.node, self.gpu + i) for i in range(size)]
+        self.gpu += size
+        return taken
+
+
+@dataclass
+class PoolBuilder:
+    """Accumulates one pool's bundles and instances."""
+
+    name: str
+    roles: list[str] = field(default_factory=list)
+    bundles: list[Bundle] = field(default_factory=list)
+    instances: list[RoleInstance] = field(default_factory=list)
+
+    def add_gpu_bundles(self, gpus: list[tuple[int, int]]) -> list[int]:
+        start = len(self.bundles)
+        for node, gpu in gpus:
+            self.bundles.append(Bundle(index=len(self.bundles), node=node, gpus=[gpu], cpus=CPUS_PER_GPU_BUNDLE))
+        return list(range(start, len(self.bundles)))
+
+    def add_cpu_bundle(self, cpus: float, node: int = 0) -> int:
+        self.bundles.append(Bundle(index=len(self.bundles), node=node, cpus=cpus))
+        return len(self.bundles) - 1
+
+    def build(self, single_node: bool) -> Pool:
+        nodes = {b.node for b in self.bundles}
+        strategy = "STRICT_PACK" if len(nodes) <= 1 and single_node else "PACK"
+        return Pool(name=self.name, strategy=strategy, roles=self.roles, bundles=self.bundles)
+
+
+def rank_coords(rank: int, tp: int, cp: int, dp: int) -> dict[str, int]:
+    """Megatron's rank order, tensor parallel fastest: tp, cp, dp, then pp."""
+    return {"tp": rank % tp, "cp": (rank // tp) % cp, "dp": (rank // (tp * cp)) % dp,
+            "pp": rank // (tp * cp * dp)}
+
+
+def _trained_instances(name: str, role: ForwardRole, pool: PoolBuilder, bundles: list[int]) -> None:
+    """One instance per GPU (rank); a CPU role is one instance on its own CPU bundle."""
+    if role.gpus == 0:
+        index = bundles[0] if bundles else pool.add_cpu_bundle(1.0)
+        pool.instances.append(RoleInstance(role=name, rank=0, pool=pool.name, bundles=[index],
+                                           node=pool.bundles[index].node, coords={"dp": 0, "tp": 0, "pp": 0, "cp": 0}))
+        return
+    par = role.parallel
+    dp = role.gpus // par.model_parallel
+    for rank in range(role.gpus):
+        bundle = pool.bundles[bundles[rank]]
+        pool.instances.append(RoleInstance(role=name, rank=rank, pool=pool.name, bundles=[bundle.index],
+                                           node=bundle.node, gpus=list(bundle.gpus),
+                                           coords=rank_coords(rank, par.tp, par.cp, dp)))
+
+
+def _rollout_instances(spec: RunSpec, pool: PoolBuilder, bundles: list[int]) -> None:
+    rollout = spec.roles.rollout
+    for replica in range(rollout.replicas):
+        if rollout.gpus_per_replica == 0:
+            index = bundles[replica] if replica < len(bundles) else pool.add_cpu_bundle(1.0)
+            mine = [index]
+        else:
+            mine = bundles[replica * rollout.gpus_per_replica:(replica + 1) * rollout.gpus_per_replica]
+        first = pool.bundles[mine[0]]
+        gpus = [g for i in mine for g in pool.bundles[i].gpus]
+        pool.instances.append(RoleInstance(role="rollout", rank=replica, pool=pool.name, bundles=mine,
+                                           node=first.node, gpus=gpus, coords={"replica": replica}))
+
+
+def _take_units(cursor: GpuCursor | None, total: int, unit: int, path: str) -> list[tuple[int, int]]:
+    if cursor is None or total == 0:
+        return []
+    taken: list[tuple[int, int]] = []
+    for _ in range(total // unit):
+        taken += cursor.take(unit, path)
+    return taken
+
+
+def _cpu_workers(pool: PoolBuilder, name: str, replicas: int, cpus: float) -> None:
+    pool.roles.append(name)
+    for rank in range(replicas):
+        index = pool.add_cpu_bundle(cpus)
+        pool.instances.append(RoleInstance(role=name, rank=rank, pool=pool.name, bundles=[index], node=0))
+
+
+def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
+    """The pools and role instances of a validated spec."""
+    roles, mode = spec.roles, spec.placement.mode
+    cursor = GpuCursor(spec.cluster.nodes, spec.cluster.gpus_per_node) if spec.cluster.gpus_per_node else None
+    single_node = spec.cluster.nodes == 1
+    trained = spec.trained_roles()
+    builders: list[PoolBuilder] = []
+
+    def trained_pool(name: str, role: ForwardRole) -> PoolBuilder:
+        pool = PoolBuilder(name=name, roles=[name])
+        bundles = pool.add_gpu_bundles(_take_units(cursor, role.gpus, role.parallel.tp, f"roles.{name}.parallel.tp"))
+        _trained_instances(name, role, pool, bundles)
+        builders.append(pool)
+        return pool
+
+    rollout_unit = max(1, roles.rollout.gpus_per_replica)
+    if mode == "colocate":
+        pool = PoolBuilder(name="colocate", roles=["actor", "rollout"])
+        bundles = pool.add_gpu_bundles(_take_units(cursor, roles.actor.gpus, math.lcm(roles.actor.parallel.tp, rollout_unit),
+                                                   "roles.actor.parallel.tp"))
+        if not bundles:
+            bundles = [pool.add_cpu_bundle(1.0)]
+        _trained_instances("actor", roles.actor, pool, bundles)
+        _rollout_instances(spec, pool, bundles if roles.rollout.gpus_per_replica else [bundles[0]] * roles.rollout.replicas)
+        for name, role in trained.items():
+            if name != "actor":
+                pool.roles.append(name)
+                _trained_instances(name, role, pool, bundles)
+        builders.append(pool)
+    else:
+        rollout_pool = PoolBuilder(name="rollout", roles=["rollout"])
+        bundles = rollout_pool.add_gpu_bundles(
+            _take_units(cursor, roles.rollout.gpus, rollout_unit, "roles.rollout.gpus_per_replica"))
+        _rollout_instances(spec, rollout_pool, bundles)
+        builders.append(rollout_pool)
+        actor_pool = trained_pool("actor", roles.actor)
+        actor_bundles = [i.bundles[0] for i in actor_pool.instances]
+        for name, role in trained.items():
+            if name == "actor":
+                continue
+            if mode == "hybrid" and name in ("reference", "actor_fwd"):
+                actor_pool.roles.append(name)
+                _trained_instances(name, role, actor_pool, actor_bundles)
+            else:
+                trained_pool(name, role)
+    reward_pool = PoolBuilder(name="reward")
+    _cpu_workers(reward_pool, "reward", roles.reward.replicas, roles.reward.cpus)
+    builders.append(reward_pool)
+    if mode == "hybrid":
+        actor_pool = next(b for b in builders if b.name == "actor")
+        _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
+    else:
+        advantage_pool = PoolBuilder(name="advantage")
+        _cpu_workers(advantage_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
+        builders.append(advantage_pool)
+    pools = [b.build(single_node) for b in builders]
+    instances = [i for b in builders for i in b.instances]
+    return pools, instances
+
+
+def gpu_fractions(instances: list[RoleInstance]) -> None:
+    """Split each GPU's scheduling resource between the instances that share it."""
+    sharing: dict[tuple[str, int, int], int] = {}
+    for inst in instances:
+        for gpu in inst.gpus:
+            key = (inst.pool, inst.node, gpu)
+            sharing[key] = sharing.get(key, 0) + 1
+    for inst in instances:
+        if inst.gpus:
+            inst.gpu_fraction = round(1.0 / max(sharing[(inst.pool, inst.node, g)] for g in inst.gpus), 6)

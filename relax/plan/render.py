@@ -1,0 +1,117 @@
+"""Render a Plan as a table, JSON, Graphviz DOT or Mermaid."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from relax.plan.model import Plan
+
+
+def _human_params(n: int | None) -> str:
+    if n is None:
+        return "unknown size"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit} params"
+    return f"{n} params"
+
+
+def _instance_label(role: str, ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"{role}[{ranks[0]}]"
+    return f"{role}[{ranks[0]}..{ranks[-1]}]" if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{role}x{len(ranks)}"
+
+
+def render_table(plan: Plan) -> str:
+    """Per node and GPU: the roles there and the estimated memory; then pools, bus and sync."""
+    lines = [f"Plan for {plan.run}: {plan.mode} mode, {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s), "
+             f"{plan.gpus_used} GPU(s) used, model {plan.model} ({_human_params(plan.model_params)})", ""]
+    lines.append("Pools (Ray placement groups):")
+    for pool in plan.pools:
+        gpus = pool.gpu_count
+        lines.append(f"  {pool.name:<10} {pool.strategy:<11} {len(pool.bundles):>4} bundle(s) "
+                     f"{gpus:>4} GPU(s)  roles: {', '.join(pool.roles)}")
+    lines += ["", "Placement and memory (GiB):"]
+    where: dict[tuple[int, int | None], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for inst in plan.instances:
+        for gpu in inst.gpus or [None]:
+            where[(inst.node, gpu)][inst.role].append(inst.rank)
+    memory = {(d.node, d.gpu): d for d in plan.memory}
+    lines.append(f"  {'node':>4}  {'device':<6}  {'roles':<44}  {'peak':>8}  {'capacity':>8}  phases")
+    for (node, gpu) in sorted(where, key=lambda k: (k[0], k[1] is None, k[1] or 0)):
+        roles = ", ".join(_instance_label(r, ranks) for r, ranks in where[(node, gpu)].items())
+        dev = memory.get((node, gpu))
+        peak = f"{dev.peak_gib:8.2f}" if dev else f"{'-':>8}"
+        cap = f"{dev.capacity_gib:8.0f}" if dev and dev.capacity_gib else f"{'host':>8}"
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in dev.phases.items()) if dev else ""
+        device = f"gpu{gpu}" if gpu is not None else "cpu"
+        lines.append(f"  {node:>4}  {device:<6}  {roles:<44}  {peak}  {cap}  {phases}")
+    lines += ["", "Bus fields (writer -> readers):"]
+    for f in plan.bus:
+        lines.append(f"  {f.name:<18} {f.writer} -> {', '.join(f.readers)}")
+    lines += ["", "Weight sync:"]
+    for e in plan.weight_sync:
+        lines.append(f"  {e.source} -> {e.target} ({e.mechanism})")
+    st = plan.staleness
+    lines += ["", f"Staleness: max_staleness {st.max_staleness}, correction {st.correction}: {st.rule}"]
+    lines.append("  " + "; ".join(f"step {w.step}: versions {w.min_version}..{w.max_version}" for w in st.first_steps))
+    lines += ["", *(f"Note: {n}" for n in plan.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _role_groups(plan: Plan) -> dict[str, dict[str, int]]:
+    """pool -> role -> instance count."""
+    groups: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for inst in plan.instances:
+        groups[inst.pool][inst.role] += 1
+    return groups
+
+
+def _edges(plan: Plan) -> list[tuple[str, str, str, bool]]:
+    """(source role, target role, label, is_weight_sync)."""
+    by_pair: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for f in plan.bus:
+        for reader in f.readers:
+            by_pair[(f.writer, reader)].append(f.name)
+    edges = [(a, b, ", ".join(names), False) for (a, b), names in by_pair.items()]
+    edges += [(e.source, e.target, f"weights ({e.mechanism})", True) for e in plan.weight_sync]
+    return edges
+
+
+def render_dot(plan: Plan) -> str:
+    lines = [f'digraph "{plan.run}" {{', "  rankdir=LR;", '  node [shape=box, style=rounded];']
+    for pool, roles in _role_groups(plan).items():
+        lines.append(f'  subgraph "cluster_{pool}" {{')
+        lines.append(f'    label="pool {pool}";')
+        for role, count in roles.items():
+            lines.append(f'    "{role}" [label="{role} x{count}"];')
+        lines.append("  }")
+    for a, b, label, weights in _edges(plan):
+        style = ", style=dashed, color=red" if weights else ""
+        lines.append(f'  "{a}" -> "{b}" [label="{label}"{style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def render_mermaid(plan: Plan) -> str:
+    lines = ["flowchart LR"]
+    for pool, roles in _role_groups(plan).items():
+        lines.append(f"  subgraph pool_{pool}[pool {pool}]")
+        for role, count in roles.items():
+            lines.append(f'    {role}["{role} x{count}"]')
+        lines.append("  end")
+    for a, b, label, weights in _edges(plan):
+        arrow = "-.->" if weights else "-->"
+        lines.append(f'  {a} {arrow}|"{label}"| {b}')
+    return "\n".join(lines) + "\n"
+
+
+def render(plan: Plan, fmt: str = "table") -> str:
+    """The plan in one of: table, json, dot, mermaid."""
+    if fmt == "json":
+        return plan.model_dump_json(indent=2) + "\n"
+    if fmt == "dot":
+        return render_dot(plan)
+    if fmt == "mermaid":
+        return render_mermaid(plan)
+    return render_table(plan)

@@ -1,0 +1,199 @@
+"""Plugin discovery through entry points, the same way in the driver and in every Ray worker.
+
+One entry-point group per kind (``relax.rollout``, ``relax.rewards``, ...; see
+``relax.contracts.PluginKind``). Discovery reads package metadata only; a plugin's module is
+imported the first time it is asked for by name, once per process. The built-in plugins in
+``relax_plugins`` are registered by this project's own ``pyproject.toml`` exactly like a third
+party's, and the core never imports them by name.
+
+A plugin that fails to import, lacks a ``Config`` model or whose hooks do not match the contract is
+reported with its distribution and entry point, and does not affect the other plugins.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from relax.contracts import HOOKS, Hook, PluginKind
+from relax.spec.errors import SpecIssue
+from relax.spec.translate import issues_from_validation_error
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """A discovered plugin, before its module is imported."""
+
+    kind: PluginKind
+    name: str
+    target: str
+    distribution: str
+    version: str
+
+    def describe(self) -> str:
+        return f"'{self.name}' ({self.target}, from {self.distribution} {self.version})"
+
+
+class PluginError(Exception):
+    """A plugin cannot be used; the message says which one and what to do."""
+
+
+class PluginNotFound(PluginError):
+    """No plugin of that kind and name is installed."""
+
+
+def _load_entry(ep: EntryPoint) -> Any:
+    return ep.load()
+
+
+class Registry:
+    """Lazy, cached plugin lookup for one process."""
+
+    def __init__(self) -> None:
+        self._entries: dict[PluginKind, dict[str, tuple[PluginEntry, EntryPoint]]] = {}
+        self._classes: dict[tuple[PluginKind, str], type] = {}
+        self._failures: dict[tuple[PluginKind, str], PluginError] = {}
+        self._lock = threading.Lock()
+
+    def entries(self, kind: PluginKind | str) -> dict[str, PluginEntry]:
+        """Installed plugins of a kind, by name, without importing them."""
+        kind = PluginKind(kind)
+        return {name: entry for name, (entry, _) in self._discover(kind).items()}
+
+    def _discover(self, kind: PluginKind) -> dict[str, tuple[PluginEntry, EntryPoint]]:
+        with self._lock:
+            if kind not in self._entries:
+                found: dict[str, tuple[PluginEntry, EntryPoint]] = {}
+                for ep in entry_points(group=kind.group):
+                    dist = ep.dist
+                    entry = PluginEntry(
+                        kind=kind,
+                        name=ep.name,
+                        target=ep.value,
+                        distribution=dist.name if dist is not None else "<unknown>",
+                        version=dist.version if dist is not None else "?",
+                    )
+                    found.setdefault(ep.name, (entry, ep))
+                self._entries[kind] = found
+            return self._entries[kind]
+
+    def load(self, kind: PluginKind | str, name: str) -> type:
+        """The plugin class, imported on first use and checked against the kind's contract."""
+        kind = PluginKind(kind)
+        key = (kind, name)
+        if key in self._classes:
+            return self._classes[key]
+        if key in self._failures:
+            raise self._failures[key]
+        found = self._discover(kind)
+        if name not in found:
+            installed = ", ".join(sorted(found)) or "none"
+            raise PluginNotFound(
+                f"no {kind.value} plugin named '{name}' is installed (installed: {installed}); "
+                f"install a package that registers it under the entry-point group '{kind.group}'"
+            )
+        entry, ep = found[name]
+        try:
+            try:
+                cls = _load_entry(ep)
+            except Exception as exc:  # a broken plugin must not take the others down
+                raise PluginError(
+                    f"{kind.value} plugin {entry.describe()} failed to import: "
+                    f"{type(exc).__name__}: {exc}; fix or reinstall {entry.distribution}"
+                ) from exc
+            check_contract(kind, entry, cls)
+        except PluginError as exc:
+            self._failures[key] = exc
+            raise
+        self._classes[key] = cls
+        return cls
+
+    def validate_options(
+        self, kind: PluginKind | str, name: str, options: dict[str, Any], path: str
+    ) -> list[SpecIssue]:
+        """Check a spec's ``options`` for a plugin against the plugin's ``Config``."""
+        cls = self.load(kind, name)
+        try:
+            cls.Config.model_validate(options)
+        except ValidationError as exc:
+            entry = self.entries(kind)[name]
+            issues = issues_from_validation_error(exc, cls.Config, prefix=path)
+            return [
+                SpecIssue(i.path, f"{i.message} (plugin {entry.describe()})", i.remedy)
+                for i in issues
+            ]
+        return []
+
+    def build_config(self, kind: PluginKind | str, name: str, options: dict[str, Any]) -> BaseModel:
+        """The plugin's typed ``Config`` from spec options (already validated)."""
+        return self.load(kind, name).Config.model_validate(options)
+
+
+def _params_after_self(func: Any) -> list[inspect.Parameter] | None:
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if params and params[0].name == "self":
+        params = params[1:]
+    return params
+
+
+def _hook_matches(cls: type, hook: Hook) -> bool:
+    func = getattr(cls, hook.name, None)
+    if func is None or not callable(func):
+        return False
+    if hook.name == "__init__" and func is object.__init__:
+        return not hook.params
+    params = _params_after_self(func)
+    if params is None:
+        return False
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    has_var = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required_names = [p.name for p in positional if p.default is p.empty]
+    expected = list(hook.params)
+    if has_var and len(positional) <= len(expected):
+        return True
+    if [p.name for p in positional[: len(expected)]] != expected:
+        return False
+    # Anything after the contract's parameters must have a default.
+    return len(required_names) <= len(expected) and not any(
+        p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params
+    )
+
+
+def check_contract(kind: PluginKind, entry: PluginEntry, cls: Any) -> None:
+    """Reject a plugin whose shape does not match its kind's contract, naming what is expected."""
+    if not inspect.isclass(cls):
+        raise PluginError(f"{kind.value} plugin {entry.describe()} is not a class; register a class")
+    config = getattr(cls, "Config", None)
+    if not (inspect.isclass(config) and issubclass(config, BaseModel)):
+        raise PluginError(
+            f"{kind.value} plugin {entry.describe()} has no nested pydantic `Config` model; "
+            "add `class Config(pydantic.BaseModel)` (it may be empty)"
+        )
+    for hook in HOOKS[kind]:
+        if not _hook_matches(cls, hook):
+            raise PluginError(
+                f"{kind.value} plugin {entry.describe()} does not match the contract: expected "
+                f"`{hook.signature()}`"
+            )
+
+
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (each Ray worker process has its own, built the same way)."""
+    global _default
+    if _default is None:
+        _default = Registry()
+    return _default

@@ -1,0 +1,371 @@
+"""The run spec as typed pydantic models.
+
+Every field has a type, a default, its constraints and a docstring; the docstring becomes the help
+text, the JSON Schema description and the generated spec reference (``docs/spec-reference.md``).
+Only shape and single-field rules live here; rules that look at several sections, the model's
+architecture or the installed plugins live in ``relax.spec.rules``.
+
+The names of the sections and fields are the user-facing contract of ``SPEC.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Modality = Literal["text", "image", "audio", "video"]
+DType = Literal["float32", "bfloat16", "float16"]
+PlacementMode = Literal["colocate", "separate", "hybrid"]
+Correction = Literal["none", "tis", "decoupled"]
+TracingExporter = Literal["none", "console", "jsonl", "otlp"]
+OtlpProtocol = Literal["http", "grpc"]
+OptimizerName = Literal["adamw", "adam", "sgd"]
+
+#: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
+PluginOptions = dict[str, Any]
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are errors and docstrings document fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class ModelSpec(Section):
+    """The policy model and what it reads."""
+
+    path: str = "builtin:tiny-lm"
+    """A local Hugging Face folder, a hub-style id (``Qwen/Qwen3-4B``), or ``builtin:<name>`` for a
+    model built locally by a ``relax.models`` plugin (no download)."""
+    modalities: list[Modality] = Field(default_factory=lambda: ["text"], min_length=1)
+    """The inputs the model reads: a subset of text, image, audio and video."""
+    dtype: DType = "float32"
+    """Parameter dtype for generation and training."""
+
+    @field_validator("modalities")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("modalities are listed more than once; list each once")
+        return value
+
+
+class DataSource(Section):
+    """A data set: a ``relax.datasets`` plugin name or a ``.jsonl``/``.parquet`` path."""
+
+    source: str
+    """A dataset plugin name (``synthetic:arithmetic``) or a path ending in ``.jsonl``/``.parquet``."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the dataset plugin, checked against its ``Config``."""
+
+
+class DataSpec(Section):
+    """Where prompts and labels come from."""
+
+    train: DataSource = Field(
+        default_factory=lambda: DataSource(source="synthetic:arithmetic", options={"size": 4096})
+    )
+    """The training prompts."""
+    eval: DataSource | None = None
+    """Optional held-out prompts."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    label_key: str = "answer"
+    """Column holding the label the rewards compare against."""
+    media_keys: dict[Modality, str] = Field(default_factory=dict)
+    """Modality -> column holding that media, e.g. ``{image: images, audio: audios}``."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch with the run's seed (the order is reproducible and resumable)."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Longest prompt in tokens; longer prompts are truncated from the left. Used for memory plans."""
+
+
+class ClipSpec(Section):
+    """PPO-style ratio clipping: the ratio is kept in [1 - low, 1 + high]."""
+
+    low: float = Field(0.2, ge=0.0, le=1.0)
+    """Lower clip range (ratio >= 1 - low)."""
+    high: float = Field(0.28, ge=0.0)
+    """Upper clip range (ratio <= 1 + high); higher than ``low`` is DAPO's clip-higher."""
+
+
+class AlgorithmSpec(Section):
+    """The RL algorithm: an advantage estimator and a policy loss, named together."""
+
+    name: str = "grpo"
+    """Algorithm name: grpo, dr_grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline, gspo, cispo,
+    sapo, dapo; it picks the advantage estimator and the loss unless they are set below."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Responses sampled per prompt (the group size of group-based advantages)."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts per training step; a step trains on prompts_per_step x samples_per_prompt samples."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to the reference policy; > 0 needs ``roles.reference``."""
+    clip: ClipSpec = Field(default_factory=ClipSpec)
+    """Ratio clipping of the policy loss."""
+    advantage: str | None = None
+    """A ``relax.advantages`` plugin overriding the one the algorithm name implies."""
+    advantage_options: PluginOptions = Field(default_factory=dict)
+    """Options of the advantage estimator, checked against its ``Config``."""
+    loss: str | None = None
+    """A ``relax.losses`` plugin overriding the one the algorithm name implies."""
+    loss_options: PluginOptions = Field(default_factory=dict)
+    """Options of the policy loss, checked against its ``Config``."""
+    updates_per_step: int = Field(1, ge=1)
+    """Optimizer steps per training step (the batch is split into this many mini-batches)."""
+
+
+class RewardSpec(Section):
+    """One reward plugin; the rewards of all listed plugins are summed with their weights."""
+
+    name: str
+    """A ``relax.rewards`` plugin name."""
+    weight: float = 1.0
+    """Multiplier of this reward in the sum."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the reward plugin, checked against its ``Config``."""
+
+
+class ParallelSpec(Section):
+    """Model parallelism of a role; data parallel is derived (GPUs / (tp x pp x cp))."""
+
+    tp: int = Field(1, ge=1)
+    """Tensor parallel size; must divide the attention heads."""
+    pp: int = Field(1, ge=1)
+    """Pipeline parallel size; must divide the layers."""
+    cp: int = Field(1, ge=1)
+    """Context (sequence) parallel size."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel size (MoE models); must divide the number of experts."""
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs holding one copy of the model: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+
+class SamplingSpec(Section):
+    """How the rollout samples responses."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Keep the k most likely tokens; 0 keeps all."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Longest response in tokens."""
+
+
+class OptimizerSpec(Section):
+    """The optimizer of a trained role."""
+
+    name: OptimizerName = "adamw"
+    """Optimizer: adamw, adam or sgd."""
+    lr: float = Field(3.0e-4, gt=0.0)
+    """Learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (adamw) or L2 (adam, sgd)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1.0e-8, gt=0.0)
+    """Adam epsilon."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+class RolloutRole(Section):
+    """The rollout role: generates responses with behaviour log-probs."""
+
+    backend: str = "hf"
+    """A ``relax.rollout`` plugin: hf, vllm, or any registered one."""
+    replicas: int = Field(1, ge=1)
+    """Independent rollout engines (each gets ``gpus_per_replica`` GPUs)."""
+    gpus_per_replica: int = Field(0, ge=0)
+    """GPUs per engine (tp x pp of the engine); 0 runs on CPU."""
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    """Parallelism inside one engine."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling parameters."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Share of each GPU the engine may use for weights plus KV cache."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the rollout backend, checked against its ``Config``."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of all replicas together."""
+        return self.replicas * self.gpus_per_replica
+
+
+class ForwardRole(Section):
+    """A role that only computes log-probs (reference, actor_fwd)."""
+
+    backend: str = "torch"
+    """A ``relax.trainer`` plugin used in forward-only mode."""
+    gpus: int = Field(0, ge=0)
+    """GPUs of this role (in its own pool in separate mode, shared with the actor otherwise)."""
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    """Model parallelism."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Samples per forward pass."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the backend, checked against its ``Config``."""
+
+
+class TrainRole(ForwardRole):
+    """A trained role (actor, critic)."""
+
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """The optimizer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, about 30% more compute)."""
+
+
+class CpuRole(Section):
+    """A CPU role (reward, advantage)."""
+
+    replicas: int = Field(1, ge=1)
+    """Worker actors of this role."""
+    cpus: float = Field(1.0, gt=0.0)
+    """Logical CPUs per worker."""
+
+
+class RolesSpec(Section):
+    """Every role of the run; a role set to null does not run."""
+
+    rollout: RolloutRole = Field(default_factory=RolloutRole)
+    """Generation."""
+    actor: TrainRole = Field(default_factory=TrainRole)
+    """The policy update."""
+    reference: ForwardRole | None = None
+    """Frozen reference policy log-probs; needed when ``algorithm.kl_coef > 0``."""
+    critic: TrainRole | None = None
+    """Value model; needed by ppo."""
+    actor_fwd: ForwardRole | None = None
+    """Proximal log-probs of the latest policy; needed by ``async_policy.correction: decoupled``."""
+    reward: CpuRole = Field(default_factory=CpuRole)
+    """Reward scoring workers."""
+    advantage: CpuRole = Field(default_factory=CpuRole)
+    """Advantage computation."""
+
+
+class ClusterSpec(Section):
+    """Where the run executes."""
+
+    address: str | None = None
+    """null starts an embedded local Ray; ``auto`` or ``ray://host:port`` joins a cluster."""
+    nodes: int = Field(1, ge=1)
+    """Nodes in the cluster."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs on each node."""
+    cpus_per_node: int = Field(2, ge=1)
+    """CPU cores on each node."""
+    gpu_memory_gb: float = Field(80.0, gt=0.0)
+    """Memory of one GPU in GiB; plans whose estimate exceeds it are rejected."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the whole cluster."""
+        return self.nodes * self.gpus_per_node
+
+
+class PlacementSpec(Section):
+    """How roles share GPUs."""
+
+    mode: PlacementMode = "separate"
+    """colocate: rollout and actor time-share one pool (on-policy); separate: a pool per role,
+    streaming with bounded staleness; hybrid: rollout alone, reference/actor_fwd/advantage in the
+    actor's pool."""
+
+
+class AsyncPolicySpec(Section):
+    """The staleness bound between generation and training."""
+
+    max_staleness: int = Field(1, ge=0)
+    """A sample made by policy version v is trained at step t only if t - v <= max_staleness;
+    0 is strictly on-policy."""
+    correction: Correction = "tis"
+    """Off-policy correction: none, tis (truncated importance sampling against the behaviour
+    log-probs) or decoupled (proximal log-probs recomputed by actor_fwd)."""
+    tis_cap: float = Field(2.0, gt=0.0)
+    """Upper truncation of the importance weight in tis."""
+
+
+class TrainerSpec(Section):
+    """The training loop."""
+
+    steps: int = Field(100, ge=1)
+    """Training steps (optimizer updates of the policy version)."""
+    output_dir: str = "runs/${name}"
+    """Folder for metrics, checkpoints and traces."""
+    checkpoint_every: int = Field(25, ge=0)
+    """Write a checkpoint every this many steps; 0 writes only the final one."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk (the oldest are deleted)."""
+
+
+class TracingSpec(Section):
+    """OpenTelemetry tracing of the run."""
+
+    exporter: TracingExporter = "jsonl"
+    """none, console, jsonl (a local file) or otlp (a collector)."""
+    endpoint: str | None = None
+    """The OTLP endpoint, or the jsonl file (default ``<output_dir>/traces.jsonl``)."""
+    protocol: OtlpProtocol = "http"
+    """OTLP transport: http or grpc."""
+    service_name: str | None = None
+    """Service name of the spans (default: the run name)."""
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of traces recorded."""
+    resource_attributes: dict[str, str] = Field(default_factory=dict)
+    """Extra resource attributes on every span."""
+
+
+class RunSpec(Section):
+    """A complete Relax run."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
+    """Run name: output folders and the trace service name. Letters, digits, '.', '_' and '-'."""
+    extends: str | None = None
+    """A preset name or a path merged under this file (resolved by the loader)."""
+    seed: int = Field(0, ge=0)
+    """Seed of every random choice (data order, sampling, initialisation)."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """The policy model."""
+    data: DataSpec = Field(default_factory=DataSpec)
+    """Prompts and labels."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """The RL algorithm."""
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="exact_match")], min_length=1
+    )
+    """Reward plugins, summed with weights."""
+    roles: RolesSpec = Field(default_factory=RolesSpec)
+    """The roles and their resources."""
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    """The cluster."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    """How roles share GPUs."""
+    async_policy: AsyncPolicySpec = Field(default_factory=AsyncPolicySpec)
+    """The staleness bound."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """The training loop."""
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
+    """Tracing."""
+
+    @model_validator(mode="after")
+    def _default_output_dir(self) -> "RunSpec":
+        # The default names the run; a spec file's own ${name} is resolved by the loader.
+        self.trainer.output_dir = self.trainer.output_dir.replace("${name}", self.name)
+        return self
+
+    def trained_roles(self) -> dict[str, ForwardRole]:
+        """The GPU-capable model roles that are present, by name."""
+        roles = {"actor": self.roles.actor}
+        for name in ("reference", "critic", "actor_fwd"):
+            role = getattr(self.roles, name)
+            if role is not None:
+                roles[name] = role
+        return roles

@@ -1,0 +1,88 @@
+"""Validate a loaded spec: shape first (pydantic), then every cross-section rule.
+
+Nothing here builds a model or starts a process: plugins are imported (their modules are light by
+contract) but never instantiated, except a built-in model plugin asked for its architecture numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from relax.contracts import PluginKind
+from relax.registry import PluginError, Registry, get_registry
+from relax.spec.architecture import (
+    BUILTIN_PREFIX,
+    ArchitectureError,
+    ModelArchitecture,
+    architecture_from_hf_config,
+    load_card,
+)
+from relax.spec.errors import SpecError, SpecIssue
+from relax.spec.models import RunSpec
+from relax.spec.rules import RULES, RuleContext
+from relax.spec.translate import issues_from_validation_error
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_architecture(
+    model_path: str, base_dir: Path, registry: Registry
+) -> tuple[ModelArchitecture | None, list[SpecIssue]]:
+    """The model's numbers, or None when they cannot be known here (an unknown hub id)."""
+    if model_path.startswith(BUILTIN_PREFIX):
+        name = model_path[len(BUILTIN_PREFIX):]
+        try:
+            cls = registry.load(PluginKind.models, name)
+            numbers = cls(cls.Config()).architecture()
+        except PluginError as exc:
+            return None, [SpecIssue("model.path", str(exc), "")]
+        return ModelArchitecture.model_validate(numbers), []
+    folder = Path(model_path).expanduser()
+    folder = folder if folder.is_absolute() else base_dir / folder
+    if folder.is_dir():
+        config = folder / "config.json"
+        if not config.is_file():
+            return None, [SpecIssue("model.path", f"folder {folder} has no config.json",
+                                    "point it at a Hugging Face model folder (save_pretrained output)")]
+        try:
+            return architecture_from_hf_config(json.loads(config.read_text()), model_path), []
+        except (ArchitectureError, json.JSONDecodeError) as exc:
+            return None, [SpecIssue("model.path", str(exc), "")]
+    if _HUB_ID.match(model_path):
+        return load_card(model_path), []
+    return None, [SpecIssue("model.path", f"{model_path} is neither a folder, a hub id nor builtin:<name>",
+                            "give an existing model folder, an id like Qwen/Qwen3-4B, or builtin:tiny-lm")]
+
+
+def validate_spec(
+    raw: dict[str, Any], *, base_dir: Path | None = None, registry: Registry | None = None
+) -> RunSpec:
+    """The typed spec, or a ``SpecError`` holding every problem found.
+
+    Shape errors (unknown keys, wrong types, out-of-range values) are reported together; when the
+    shape is right, every rule in ``relax.spec.rules.RULES`` runs and all their findings are
+    reported together.
+    """
+    try:
+        spec = RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(issues_from_validation_error(exc, RunSpec)) from None
+    return check_spec(spec, base_dir=base_dir, registry=registry)
+
+
+def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registry | None = None) -> RunSpec:
+    """Run every cross-section rule on a well-shaped spec; raise ``SpecError`` with all findings."""
+    registry = registry or get_registry()
+    base_dir = base_dir or Path.cwd()
+    architecture, issues = resolve_architecture(spec.model.path, base_dir, registry)
+    ctx = RuleContext(registry=registry, base_dir=base_dir, architecture=architecture)
+    for rule in RULES:
+        issues.extend(rule(spec, ctx))
+    if issues:
+        raise SpecError(issues)
+    return spec
