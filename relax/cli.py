@@ -70,7 +70,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
         (root / "docs").mkdir(parents=True, exist_ok=True)
         (root / "schemas" / "run-spec.schema.json").write_text(schema_text())
         (root / "docs" / "spec-reference.md").write_text(spec_reference_markdown())
-        print(f"wrote {root / 'schemas' / 'run-spec.schema.json'} and {root / 'docs' / 'spec-reference.md'}")
+        from relax.plan.model import Plan
+
+        (root / "schemas" / "plan.schema.json").write_text(json.dumps(Plan.model_json_schema(), indent=2) + "\n")
+        print(f"wrote schemas/run-spec.schema.json, schemas/plan.schema.json and docs/spec-reference.md under {root}")
     else:
         print(schema_text(), end="")
     return EXIT_OK
@@ -136,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
     schema.add_argument("--write", action="store_true",
-                        help="write schemas/run-spec.schema.json and docs/spec-reference.md under --root")
+                        help="write schemas/run-spec.schema.json, schemas/plan.schema.json and docs/spec-reference.md under --root")
     schema.add_argument("--root", default=".", help="project root for --write")
     schema.set_defaults(func=cmd_schema)
 

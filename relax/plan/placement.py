@@ -1,6 +1,6 @@
 """Resolve a spec's roles into pools (placement groups), bundles and role instances.
 
-GPUs are handed out node by node, pool by pool, in units that must not straddle a node: a rollout
+GPUs are handed out pool by pool, first-fit over nodes, in units that must not straddle a node: a rollout
 engine's tp x pp GPUs, a trained role's tensor-parallel group. Which roles share a pool follows the
 placement mode:
 
@@ -26,26 +26,26 @@ CPUS_PER_GPU_BUNDLE = 1.0
 
 @dataclass
 class GpuCursor:
-    """Hands out GPUs in node order; a unit never spans two nodes."""
+    """Hands out GPUs first-fit over nodes, in order within a node; a unit never spans two nodes."""
 
     nodes: int
     per_node: int
-    node: int = 0
-    gpu: int = 0
+    used: list[int] = field(default_factory=list)
 
     def take(self, size: int, path: str) -> list[tuple[int, int]]:
         if size > self.per_node:
             raise SpecError([SpecIssue(path, f"a group of {size} GPUs would span nodes (each node has "
                                              f"{self.per_node})", f"keep it at or below {self.per_node}")])
-        if self.gpu + size > self.per_node:
-            self.node, self.gpu = self.node + 1, 0
-        if self.node >= self.nodes:
-            raise SpecError([SpecIssue("cluster", f"the roles do not fit: {path} needs {size} more GPUs on one "
-                                       "node after the earlier roles took theirs",
-                                       "add nodes, or choose group sizes that divide cluster.gpus_per_node")])
-        taken = [(self.node, self.gpu + i) for i in range(size)]
-        self.gpu += size
-        return taken
+        if not self.used:
+            self.used = [0] * self.nodes
+        for node, used in enumerate(self.used):
+            if used + size <= self.per_node:
+                self.used[node] += size
+                return [(node, used + i) for i in range(size)]
+        raise SpecError([SpecIssue("cluster", f"the roles do not fit: {path} needs {size} GPUs on one node, but "
+                                   f"the earlier roles left only {', '.join(str(self.per_node - u) for u in self.used)} "
+                                   "free per node", "add nodes, or choose group sizes that pack into "
+                                   "cluster.gpus_per_node")])
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""Ray placement groups built from a ``Plan``, never re-derived from the spec.
+
+Each plan pool becomes one placement group. Every bundle is pinned to its planned node with a
+``ray.io/node-id`` label selector: plan node i is the i-th alive node that has GPUs (or, on a CPU
+plan, the driver's node). Bundles are created in plan order on each node, which makes Ray hand
+out GPU ids in the order the plan numbered them; ``verify_gpu_ids`` checks that it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from relax.plan.model import Plan, RoleInstance
+
+NODE_LABEL = "ray.io/node-id"
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the plan; the message says what is missing."""
+
+
+def cluster_nodes(plan: Plan) -> list[str]:
+    """Ray node ids standing for plan nodes 0..n-1."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if plan.gpus_used == 0:
+        here = ray.get_runtime_context().get_node_id()
+        return [here] + [n["NodeID"] for n in alive if n["NodeID"] != here]
+    with_gpus = [n for n in alive if n.get("Resources", {}).get("GPU", 0) >= 1]
+    if len(with_gpus) < plan.nodes:
+        raise PlacementError(f"the plan needs {plan.nodes} node(s) with {plan.gpus_per_node} GPU(s) each, but the "
+                             f"Ray cluster has {len(with_gpus)} node(s) with GPUs; start more nodes or lower "
+                             "cluster.nodes")
+    for n in with_gpus[: plan.nodes]:
+        if n["Resources"]["GPU"] < plan.gpus_per_node:
+            raise PlacementError(f"node {n['NodeID'][:12]} has {int(n['Resources']['GPU'])} GPUs; the plan assumes "
+                                 f"cluster.gpus_per_node={plan.gpus_per_node}")
+    return [n["NodeID"] for n in with_gpus[: plan.nodes]]
+
+
+@dataclass
+class Placement:
+    """The placement groups of a run and how to schedule each role instance into them."""
+
+    plan: Plan
+    groups: dict[str, PlacementGroup]
+
+    def actor_options(self, instance: RoleInstance) -> dict[str, Any]:
+        """``.options(...)`` for the Ray actor of one role instance: its pool, bundle and GPU share."""
+        # The bundle reserves the CPUs; actors take none of them for scheduling, so roles that
+        # share a bundle (colocate on CPU) fit in it.
+        options: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.groups[instance.pool], placement_group_bundle_index=instance.bundles[0]),
+            "num_cpus": 0,
+        }
+        if instance.gpus:
+            options["num_gpus"] = instance.gpu_fraction
+        return options
+
+    def remove(self) -> None:
+        for group in self.groups.values():
+            remove_placement_group(group)
+
+
+def create_placement(plan: Plan, timeout_s: float = 60.0) -> Placement:
+    """Create (and wait for) one placement group per pool of the plan."""
+    nodes = cluster_nodes(plan)
+    groups: dict[str, PlacementGroup] = {}
+    for pool in plan.pools:
+        bundles = []
+        for b in pool.bundles:
+            resources: dict[str, float] = {"CPU": b.cpus}
+            if b.gpus:
+                resources["GPU"] = float(len(b.gpus))
+            bundles.append(resources)
+        selectors = [{NODE_LABEL: nodes[b.node]} for b in pool.bundles]
+        groups[pool.name] = placement_group(bundles, strategy=pool.strategy, name=f"relax-{plan.run}-{pool.name}", bundle_label_selector=selectors)
+    placement = Placement(plan=plan, groups=groups)
+    try:
+        ray.get([g.ready() for g in groups.values()], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        placement.remove()
+        asked = ", ".join(f"{p.name}: {len(p.bundles)} bundles" for p in plan.pools)
+        raise PlacementError(f"the placement groups ({asked}) were not ready after {timeout_s:.0f} s: the cluster "
+                             f"lacks the CPUs or GPUs the plan reserves ({ray.available_resources()} available)") from None
+    return placement
+
+
+def verify_gpu_ids(plan: Plan, instance: RoleInstance, node_id: str, gpu_ids: list[Any], nodes: list[str]) -> str | None:
+    """None when an actor landed where the plan put it, else what differs."""
+    if nodes[instance.node] != node_id:
+        return f"{instance.role}[{instance.rank}] is on node {node_id[:12]}, planned {nodes[instance.node][:12]}"
+    if instance.gpus and sorted(int(g) for g in gpu_ids) != sorted(instance.gpus):
+        return f"{instance.role}[{instance.rank}] got GPUs {gpu_ids}, planned {instance.gpus}"
+    return None

@@ -1,0 +1,211 @@
+"""The Plan: GPU accounting per preset, placement modes, feasibility errors, memory by hand."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from relax.config import load_spec_dict
+from relax.plan import make_plan, render
+from relax.plan.memory import GIB, params_per_gpu, rollout_memory
+from relax.plan.placement import plan_placement
+from relax.spec import RunSpec, SpecError, validate_spec
+from relax.spec.architecture import load_card
+from relax.spec.rules import gpus_requested
+
+PRESETS = sorted((Path(__file__).parents[2] / "presets").glob("*.yaml"))
+
+
+def plan_of(ref: str | Path, *overrides: str):
+    raw, base = load_spec_dict(str(ref), list(overrides))
+    spec = validate_spec(raw, base_dir=base)
+    return spec, make_plan(spec, base_dir=base)
+
+
+def issue_paths(exc: pytest.ExceptionInfo[SpecError]) -> list[str]:
+    return [i.path for i in exc.value.issues]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_bundles_account_for_exactly_the_gpus_asked(preset: Path) -> None:
+    spec, plan = plan_of(preset)
+    data = json.loads(render(plan, "json"))
+    bundle_gpus = [(b["node"], g) for pool in data["pools"] for b in pool["bundles"] for g in b["gpus"]]
+    assert len(bundle_gpus) == len(set(bundle_gpus)), "a GPU is reserved by two bundles"
+    assert len(bundle_gpus) == gpus_requested(spec) == data["gpus_used"]
+    for node, gpu in bundle_gpus:
+        assert 0 <= node < spec.cluster.nodes and 0 <= gpu < spec.cluster.gpus_per_node
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_no_gpu_holds_two_roles_unless_the_mode_shares_it(preset: Path) -> None:
+    spec, plan = plan_of(preset)
+    roles_on: dict[tuple[int, int], set[str]] = {}
+    for inst in plan.instances:
+        for gpu in inst.gpus:
+            roles_on.setdefault((inst.node, gpu), set()).add(inst.role)
+    shared = {"colocate": {"actor", "rollout", "reference", "critic", "actor_fwd"},
+              "hybrid": {"actor", "reference", "actor_fwd"}, "separate": set()}[spec.placement.mode]
+    for device, roles in roles_on.items():
+        assert len(roles) == 1 or roles <= shared, f"{device} holds {roles} in {spec.placement.mode} mode"
+
+
+def test_colocate_shares_every_gpu_between_actor_and_rollout() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-colocate")
+    assert [p.name for p in plan.pools if p.gpu_count] == ["colocate"]
+    for inst in plan.instances:
+        if inst.role in ("actor", "rollout"):
+            assert inst.gpu_fraction == 0.5
+    assert set(plan.memory[0].phases) == {"generate", "train"}
+
+
+def test_hybrid_puts_reference_and_advantage_in_the_actor_pool() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-hybrid")
+    assert plan.pool("actor").roles == ["actor", "reference", "advantage"]
+    assert plan.pool("rollout").roles == ["rollout"]
+    assert {i.role for i in plan.instances if i.pool == "actor"} == {"actor", "reference", "advantage"}
+
+
+def test_two_node_preset_keeps_each_role_group_inside_nodes() -> None:
+    _, plan = plan_of("qwen3-omni-30b-a3b")
+    assert {i.node for i in plan.instances_of("rollout")} == {0}
+    assert {i.node for i in plan.instances_of("actor")} == {1}
+    assert plan.pool("rollout").strategy == "PACK"  # multi-node cluster
+    assert len(plan.memory) == 16 + 1  # 16 GPUs and the host of the CPU workers
+
+
+def shaped_spec(ref: str, *overrides: str) -> RunSpec:
+    """A spec checked for shape only: placement is pure logic, whatever backend supports tp."""
+    raw, _ = load_spec_dict(ref, list(overrides))
+    return RunSpec.model_validate(raw)
+
+
+def test_tensor_parallel_groups_stay_inside_a_node() -> None:
+    # 3 nodes x 6 GPUs, tp 4: a group may not straddle GPUs 4-5 of one node and 0-1 of the next.
+    spec = shaped_spec("qwen3-4b-grpo-async", "cluster.nodes=3", "cluster.gpus_per_node=6",
+                       "roles.actor.gpus=8", "roles.actor.parallel.tp=4", "roles.rollout.replicas=2")
+    _, instances = plan_placement(spec)
+    groups: dict[tuple[int, int, int], set[int]] = {}
+    for inst in (i for i in instances if i.role == "actor"):
+        key = (inst.coords["dp"], inst.coords["pp"], inst.coords["cp"])
+        groups.setdefault(key, set()).add(inst.node)
+    assert groups and all(len(nodes) == 1 for nodes in groups.values())
+
+
+def test_more_gpus_than_the_cluster_is_an_error() -> None:
+    with pytest.raises(SpecError) as exc:
+        plan_of("qwen3-4b-grpo-async", "roles.actor.gpus=16")
+    assert "cluster" in issue_paths(exc)
+
+
+def test_a_tp_group_wider_than_a_node_is_an_error() -> None:
+    with pytest.raises(SpecError) as exc:
+        plan_placement(shaped_spec("qwen3-4b-grpo-async", "cluster.nodes=3", "cluster.gpus_per_node=4",
+                                   "roles.actor.gpus=8", "roles.actor.parallel.tp=8"))
+    assert "roles.actor.parallel.tp" in issue_paths(exc)
+
+
+def test_groups_that_no_longer_fit_any_node_are_an_error() -> None:
+    # 2 nodes x 8 = 16 GPUs for 6 + 4 + 3 + 3: the rollout takes 6 of node 0, the actor's tp-4 group
+    # and the critic's tp-3 group go to node 1, and the reference's tp-3 group finds 2 and 1 free.
+    with pytest.raises(SpecError) as exc:
+        plan_placement(shaped_spec("qwen3-4b-grpo-async", "cluster.nodes=2", "roles.rollout.replicas=6",
+                                   "roles.actor.gpus=4", "roles.actor.parallel.tp=4",
+                                   "roles.critic={gpus: 3, parallel: {tp: 3}}",
+                                   "roles.reference={gpus: 3, parallel: {tp: 3}}"))
+    assert "cluster" in issue_paths(exc)
+
+
+def test_memory_over_the_gpu_is_an_error_naming_the_role() -> None:
+    with pytest.raises(SpecError) as exc:
+        plan_of("qwen3-4b-grpo-async", "cluster.gpu_memory_gb=16", "roles.actor.gradient_checkpointing=false",
+                "roles.actor.micro_batch_size=16")
+    assert "roles.actor" in issue_paths(exc)
+    assert "exceeds cluster.gpu_memory_gb=16" in str(exc.value)
+
+
+def test_dense_memory_matches_a_hand_computation() -> None:
+    # Qwen3-4B: per layer q 2560x4096 + k,v 2x2560x1024 + o 4096x2560 = 26,214,400,
+    # SwiGLU 3x2560x9728 = 74,711,040, two norms 5,120 -> 100,930,560; x36 = 3,633,500,160;
+    # tied embedding 151,936 x 2560 = 388,956,160; final norm 2,560 -> P = 4,022,458,880.
+    arch = load_card("Qwen/Qwen3-4B")
+    assert arch.params_total() == 4_022_458_880
+    spec, plan = plan_of("qwen3-4b-grpo-async")  # actor: 4 GPUs, FSDP (full sharding), bf16, adamw
+    actor = {i.what: i.gib for i in plan.memory[-2].items if i.role == "actor"}
+    p = 4_022_458_880
+    assert actor["weights"] == pytest.approx(p * 2 / 4 / GIB, abs=1e-3)
+    assert actor["gradients"] == pytest.approx(p * 2 / 4 / GIB, abs=1e-3)
+    assert actor["optimizer"] == pytest.approx(p * 12 / 4 / GIB, abs=1e-3)
+    # Checkpointed activations: 36 layers x 2 x s x b x h plus one layer s x b x h x 34 bytes,
+    # s = 512 + 2048, b = 2, h = 2560; logits b x s x V x 4 x 2.
+    s, b, h = 2560, 2, 2560
+    assert actor["activations"] == pytest.approx((36 * 2 * s * b * h + s * b * h * 34) / GIB, abs=1e-3)
+    assert actor["logits"] == pytest.approx(b * s * 151_936 * 8 / GIB, abs=1e-3)
+    # Rollout: bf16 weights P x 2; KV 2 x 36 x 8 x 128 x 2 = 147,456 B per token, for
+    # 64 x 8 / 4 replicas = 128 sequences of 2560 tokens.
+    kv = {i.what: i.gib for i in rollout_memory(spec, arch)}
+    assert kv["weights"] == pytest.approx(p * 2 / GIB, abs=1e-3)
+    assert kv["kv_cache"] == pytest.approx(128 * 2560 * 147_456 / GIB, abs=1e-3)
+
+
+def test_moe_memory_matches_a_hand_computation() -> None:
+    # Qwen3-30B-A3B: attention 2048x4096 + 2x2048x512 + 4096x2048 = 18,874,368; experts
+    # 128 x 3 x 2048 x 768 = 603,979,776; router 2048 x 128 = 262,144; norms 4,096 ->
+    # 623,120,384 per layer, x48 = 29,909,778,432; untied embeddings 2 x 151,936 x 2048 =
+    # 622,329,856; final norm 2,048 -> 30,532,110,336. Experts in total: 48 x 603,979,776.
+    arch = load_card("Qwen/Qwen3-30B-A3B")
+    assert arch.params_total() == 30_532_110_336
+    experts = 48 * 603_979_776
+    dense = 30_532_110_336 - experts
+    assert params_per_gpu(arch, tp=2, pp=1, ep=8) == pytest.approx(dense / 2 + experts / 8)
+    # Active parameters: 8 of 128 experts per token.
+    assert arch.params_active() == 30_532_110_336 - 48 * 120 * 3 * 2048 * 768
+
+
+def test_staleness_windows_follow_the_bound() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-async")
+    assert plan.staleness.max_staleness == 2
+    assert [(w.min_version, w.max_version) for w in plan.staleness.first_steps[:4]] == [(0, 0), (0, 1), (0, 2), (1, 3)]
+
+
+def test_bus_and_weight_sync_follow_the_roles() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-hybrid")
+    fields = {f.name: f for f in plan.bus}
+    assert fields["ref_logprobs"].writer == "reference" and fields["ref_logprobs"].readers == ["actor"]
+    assert fields["advantages"].writer == "advantage"
+    assert "reference" in fields["input_ids"].readers
+    assert [(e.source, e.target, e.mechanism) for e in plan.weight_sync] == [("actor", "rollout", "nccl-broadcast")]
+    _, tiny = plan_of("tiny-cpu")
+    assert tiny.weight_sync[0].mechanism == "object-store"
+
+
+def test_unknown_architecture_plans_without_memory() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-async", "model.path=SomeOrg/Unknown-7B")
+    assert plan.memory == [] and any("unknown" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("fmt", ["table", "dot", "mermaid"])
+def test_renderings_name_every_role(fmt: str) -> None:
+    _, plan = plan_of("qwen3-4b-grpo-hybrid")
+    text = render(plan, fmt)
+    for role in ("rollout", "actor", "reference", "reward", "advantage"):
+        assert role in text
+    if fmt == "dot":
+        assert text.startswith('digraph "qwen3-4b-grpo-hybrid"') and "style=dashed" in text
+    if fmt == "mermaid":
+        assert text.startswith("flowchart LR") and "-.->" in text
+
+
+def test_instances_count_per_role() -> None:
+    _, plan = plan_of("qwen3-omni-30b-a3b")
+    assert Counter(i.role for i in plan.instances) == {"rollout": 8, "actor": 8, "reward": 1, "advantage": 1}
+
+
+def test_plan_schema_is_current() -> None:
+    from relax.plan.model import Plan
+
+    checked_in = Path(__file__).parents[2] / "schemas" / "plan.schema.json"
+    assert json.loads(checked_in.read_text()) == Plan.model_json_schema()
