@@ -59,6 +59,7 @@ class Registry:
         self._classes: dict[tuple[PluginKind, str], type] = {}
         self._failures: dict[tuple[PluginKind, str], PluginError] = {}
         self._lock = threading.Lock()
+        self._all: Any = None
 
     def entries(self, kind: PluginKind | str) -> dict[str, PluginEntry]:
         """Installed plugins of a kind, by name, without importing them."""
@@ -69,7 +70,9 @@ class Registry:
         with self._lock:
             if kind not in self._entries:
                 found: dict[str, tuple[PluginEntry, EntryPoint]] = {}
-                for ep in entry_points(group=kind.group):
+                if self._all is None:  # one scan of the installed metadata for every kind
+                    self._all = entry_points()
+                for ep in self._all.select(group=kind.group):
                     dist = ep.dist
                     entry = PluginEntry(
                         kind=kind,

@@ -152,7 +152,7 @@ def architecture_from_hf_config(config: dict[str, Any], name: str) -> ModelArchi
             encoder_params=encoder,
             modalities=("text", *extra),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ArchitectureError(
             f"config.json of {name} lacks a usable {exc}; give a decoder config with "
             "hidden_size, num_attention_heads, num_hidden_layers and vocab_size"

@@ -103,10 +103,13 @@ def issues_from_validation_error(
     """One ``SpecIssue`` per pydantic error, with its path under ``prefix`` and a remedy."""
     issues = []
     for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        # Unions and tagged types add their own names to the location; keep only real keys.
-        loc = tuple(p for p in loc if isinstance(p, int) or not str(p).startswith(("function-", "list[", "dict[", "literal[", "tuple[")))
         kind = err["type"]
+        loc = tuple(err["loc"])
+        # Unions and tagged types add their own names to the location; keep only real keys. The
+        # last element of an unknown-key error is the user's own key, whatever it looks like.
+        kept = loc[-1:] if kind == "extra_forbidden" else ()
+        loc = tuple(p for p in loc[: len(loc) - len(kept)] if isinstance(p, int) or not str(p).startswith(
+            ("function-", "list[", "dict[", "literal[", "tuple["))) + kept
         path = join_path(prefix, *loc) if prefix else join_path(*loc)
         if kind == "extra_forbidden":
             owner = _model_at(model, loc[:-1])

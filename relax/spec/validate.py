@@ -42,7 +42,11 @@ def resolve_architecture(
         except PluginError as exc:
             return None, [SpecIssue("model.path", str(exc), "")]
         return ModelArchitecture.model_validate(numbers), []
-    folder = Path(model_path).expanduser()
+    try:
+        folder = Path(model_path).expanduser()
+    except RuntimeError:  # "~user/..." for a user that does not exist
+        return None, [SpecIssue("model.path", f"cannot expand '~' in {model_path}: no such user",
+                                "give an absolute path, or a path relative to the spec's folder")]
     folder = folder if folder.is_absolute() else base_dir / folder
     if folder.is_dir():
         config = folder / "config.json"

@@ -1,0 +1,130 @@
+"""The small records that cross the bus API: per-row metadata, a fetched batch, counts.
+
+They are plain dataclasses so a role can log, pickle or hand them to another Ray actor freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transfer_queue import BatchMeta
+
+from relax.bus.columns import Column, pad_rows
+from relax.bus.errors import BusError
+
+#: The metadata keys the bus itself understands; anything else a producer sets lands in ``extra``.
+_KNOWN_META_KEYS = ("policy_version", "sample_id", "trace")
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """Small per-row metadata that travels with a row from its producer to every consumer.
+
+    It is held by the TransferQueue controller as the row's tag (``custom_meta``), not in the
+    storage units, so a consumer gets it back with the row without asking for an extra field.
+    Keep it small: it goes through the controller on every put and get.
+    """
+
+    policy_version: int
+    """Version of the policy that generated the row; the staleness gate compares it to the step."""
+    sample_id: str
+    """Stable id of the sample across roles, for logs and traces."""
+    trace: dict[str, str] = field(default_factory=dict)
+    """OpenTelemetry carrier (``propagate.inject(carrier)``), so one trace follows the row."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Any other small, picklable values a producer wants consumers to see (e.g. a group id)."""
+
+    def to_tag(self) -> dict[str, Any]:
+        """The flat dict stored as the row's TransferQueue tag."""
+        tag = dict(self.extra)
+        tag.update(policy_version=self.policy_version, sample_id=self.sample_id, trace=dict(self.trace))
+        return tag
+
+    @classmethod
+    def from_tag(cls, tag: Mapping[str, Any]) -> RowMeta:
+        """Rebuild from a tag; raises ``BusError`` naming what is missing."""
+        missing = [k for k in ("policy_version", "sample_id") if k not in tag]
+        if missing:
+            raise BusError(f"row metadata {dict(tag)!r} lacks required key(s) {missing}")
+        return cls(
+            policy_version=int(tag["policy_version"]),
+            sample_id=str(tag["sample_id"]),
+            trace=dict(tag.get("trace") or {}),
+            extra={k: v for k, v in tag.items() if k not in _KNOWN_META_KEYS},
+        )
+
+    @classmethod
+    def coerce(cls, value: RowMeta | Mapping[str, Any]) -> RowMeta:
+        """Accept either a ``RowMeta`` or a plain dict with at least ``policy_version`` and ``sample_id``."""
+        return value if isinstance(value, RowMeta) else cls.from_tag(value)
+
+
+@dataclass(frozen=True)
+class RowHandle:
+    """Opaque reference to rows already on the bus, for ``Bus.write_fields``.
+
+    Picklable: a role may hand it to another actor that computes the new columns.
+    """
+
+    partition: str
+    batch_meta: BatchMeta = field(repr=False)
+
+    def __len__(self) -> int:
+        return self.batch_meta.size
+
+
+@dataclass
+class BusBatch:
+    """Rows a consumer task took from one partition: their columns, their metadata and a handle.
+
+    ``fields[name]`` is:
+
+    - a dense ``Tensor`` of shape ``[rows, *row_shape]`` for a field its producer wrote as a tensor;
+    - a ``list[Tensor]`` (one per row, exact shapes) for a field written as a list of tensors
+      (variable length); ``padded(name)`` turns it into a padded tensor plus lengths;
+    - a ``list`` of Python objects for a field written as a list of non-tensors (e.g. strings).
+
+    The kind therefore depends only on how the producer wrote the field, never on the lengths
+    that happen to be in one batch.
+    """
+
+    partition: str
+    task: str
+    fields: dict[str, Column]
+    meta: list[RowMeta]
+    handle: RowHandle
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def __getitem__(self, name: str) -> Column:
+        return self.fields[name]
+
+    def padded(
+        self, name: str, pad_value: float = 0, side: Literal["right", "left"] = "right"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged field as ``(padded [rows, max_len, ...], lengths [rows])``; see ``pad_rows``."""
+        value = self.fields[name]
+        if isinstance(value, torch.Tensor):
+            raise BusError(f"field {name!r} is already dense ({tuple(value.shape)}); use batch[{name!r}]")
+        return pad_rows(value, pad_value=pad_value, side=side)
+
+
+@dataclass(frozen=True)
+class PartitionCounts:
+    """How far a partition has got, as the TransferQueue controller sees it right now."""
+
+    partition: str
+    rows: int
+    """Rows put into the partition so far (0 if it does not exist or was cleared)."""
+    produced: int
+    """Rows that hold every field asked about (equals ``rows`` when no fields were given)."""
+    consumed: int
+    """Rows the task has already taken (0 when no task was given)."""
+    ready: int
+    """Rows that are produced and not yet consumed: what ``Bus.get`` for that task could take now."""
+    missing_fields: tuple[str, ...] = ()
+    """Fields asked about that no row of the partition has yet."""

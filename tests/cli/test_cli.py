@@ -1,0 +1,131 @@
+"""The ``relax`` command line: exit codes, error output, generated files and import weight."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from relax.spec.schema import schema_text, spec_reference_markdown
+
+from .conftest import ROOT
+
+PRESETS = sorted(p.name for p in (ROOT / "presets").glob("*.yaml"))
+HEAVY = ("torch", "ray", "vllm", "megatron", "transformers")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_validate_accepts_every_preset(relax, preset):
+    result = relax("validate", f"presets/{preset}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: ")
+
+
+def test_validate_accepts_a_preset_name_and_overrides(relax):
+    result = relax("validate", "tiny-cpu", "algorithm.samples_per_prompt=4", "name=renamed")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: renamed is valid")
+
+
+def test_broken_spec_exits_2_with_every_error_and_no_traceback(relax, tmp_path):
+    spec = tmp_path / "broken.yaml"
+    spec.write_text(textwrap.dedent("""\
+        extends: tiny-cpu
+        name: broken
+        seed: -1
+        placement: {mode: colocat}
+        roles:
+          actor: {paralel: {tp: 2}}
+        """))
+    result = relax("validate", str(spec))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "3 problems" in result.stderr
+    for path in ("seed:", "placement.mode:", "roles.actor.paralel:"):
+        assert path in result.stderr
+    assert "did you mean 'colocate'?" in result.stderr
+    assert "did you mean 'parallel'?" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_rule_errors_exit_2_together(relax):
+    result = relax("validate", "tiny-cpu", "placement.mode=colocate", "algorithm.kl_coef=0.1",
+                   "async_policy.correction=decoupled")
+    assert result.returncode == 2
+    for path in ("async_policy.max_staleness:", "algorithm.kl_coef:", "async_policy.correction:"):
+        assert path in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["validate", "no/such/spec.yaml"],
+    ["validate", "tiny-cpu", "algorithm.kl_coef"],  # an override without '='
+    ["plan", "tiny-cpu", "rewards.7.weight=1"],
+])
+def test_unusable_spec_reference_or_override_exits_2_cleanly(relax, args):
+    result = relax(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip()
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["frobnicate"],
+    ["validate"],
+    ["plan", "tiny-cpu", "--format", "png"],
+    ["validate", "tiny-cpu", "--no-such-flag"],
+])
+def test_bad_command_line_exits_2(relax, args):
+    result = relax(*args)
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_schema_command_prints_the_checked_in_schema(relax):
+    result = relax("schema")
+    assert result.returncode == 0
+    assert result.stdout == (ROOT / "schemas" / "run-spec.schema.json").read_text(), \
+        "stale: run `relax schema --write`"
+
+
+def test_checked_in_schema_is_current():
+    assert (ROOT / "schemas" / "run-spec.schema.json").read_text() == schema_text(), \
+        "stale: run `relax schema --write`"
+
+
+def test_checked_in_spec_reference_is_current():
+    assert (ROOT / "docs" / "spec-reference.md").read_text() == spec_reference_markdown(), \
+        "stale: run `relax schema --write`"
+
+
+def test_schema_write_writes_the_files(relax, tmp_path):
+    result = relax("schema", "--write", "--root", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "schemas" / "run-spec.schema.json").read_text() == schema_text()
+    assert (tmp_path / "docs" / "spec-reference.md").read_text() == spec_reference_markdown()
+
+
+IMPORT_PROBE = """
+import json, sys
+from relax.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r})
+print("\\n" + json.dumps({{"rc": rc, "heavy": heavy}}))
+"""
+
+
+@pytest.mark.parametrize("command", [["validate"], ["plan"], ["plan", "--format", "json"]],
+                         ids=["validate", "plan", "plan-json"])
+@pytest.mark.parametrize("preset", ["tiny-cpu.yaml", "qwen3-4b-grpo-async.yaml"])
+def test_validate_and_plan_import_no_heavy_library(command, preset):
+    argv = [command[0], str(ROOT / "presets" / preset), *command[1:]]
+    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(heavy=set(HEAVY)), *argv],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    assert report["rc"] == 0, result.stderr
