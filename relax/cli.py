@@ -61,6 +61,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_spec(spec, plan, base_dir=base_dir, resume=args.resume)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from relax.runtime.report import write_report
+
+    run_dir = Path(args.run_dir)
+    try:
+        path = write_report(run_dir, Path(args.output) if args.output else None)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from relax.spec.schema import schema_text, spec_reference_markdown
 
@@ -136,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=["table", "json", "dot", "mermaid"], default="table")
     run = spec_command("run", "train", cmd_run)
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+
+    report = sub.add_parser("report", help="plot reward and step time of a run to a PNG")
+    report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
+    report.add_argument("--output", help="PNG path (default RUN_DIR/report.png)")
+    report.set_defaults(func=cmd_report)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
     schema.add_argument("--write", action="store_true",

@@ -289,6 +289,15 @@ class Bus:
         """
         self._ask(f"to clear partition {partition!r}", lambda c: c.async_clear_partition(partition))
 
+    def clear_soon(self, partition: str) -> None:
+        """Start dropping a finished partition without waiting for it (off a role's critical path).
+
+        Failures are not raised here; a partition that stays behind is only memory, and the owner
+        drops everything when it closes.
+        """
+        client = self.client
+        asyncio.run_coroutine_threadsafe(client.async_clear_partition(partition), client._loop)
+
     def _ask(
         self,
         what: str,

@@ -116,7 +116,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 def _apply_override(cfg: DictConfig, key: str, value: Any) -> None:
     try:
-        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)  # a=b replaces, like Hydra
     except (OmegaConfBaseException, IndexError, ValueError, TypeError) as exc:
         raise SpecError([SpecIssue(key, f"override cannot be applied: {exc}".splitlines()[0],
                                    "check the path exists in the spec (lists take an index: rewards.0.weight)")]) from None

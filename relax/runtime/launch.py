@@ -1,0 +1,222 @@
+"""``relax run``: start (or join) Ray, the bus and the role workers from the Plan, and watch them.
+
+The controller deploys, wires, watches health and stops; it takes no part in the data path. It
+joins the roles' per-step reports into metrics.jsonl and the progress line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax.plan.model import Plan, RoleInstance
+from relax.runtime.checkpoint import latest_checkpoint
+from relax.runtime.metrics import MetricsLog, Progress, step_row
+from relax.spec.models import RunSpec
+
+EXIT_OK, EXIT_RUN_FAILED = 0, 1
+#: How long a role may wait for another before the run is declared stuck.
+ROLE_TIMEOUT_S = float(os.environ.get("RELAX_ROLE_TIMEOUT_S", "300"))
+#: Logical CPUs an embedded Ray gets: TransferQueue's own actors need about 5 beyond the roles.
+EMBEDDED_RAY_CPUS = 8
+ROLES = ("rollout", "reward", "advantage", "actor")
+#: Environment of every Ray process of a run: no progress bars or advisory logs from the libraries.
+QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+
+
+class LaunchError(Exception):
+    """The run cannot start here; the message says why and what to do."""
+
+
+def preflight(spec: RunSpec, plan: Plan) -> list[str]:
+    """What keeps this spec from running on this machine and runtime, before anything starts."""
+    problems = []
+    if plan.gpus_used and spec.cluster.address is None:
+        import torch
+
+        local = torch.cuda.device_count()
+        if local < plan.gpus_used:
+            problems.append(f"the spec asks for {plan.gpus_used} GPU(s) but this machine has {local}; run it on a "
+                            "GPU cluster (set cluster.address) or choose a CPU preset such as tiny-cpu "
+                            "(`relax plan` still shows this spec's layout)")
+    if plan.gpus_used:
+        problems.append("GPU roles are not run by this version of the runtime (one CPU process per role); "
+                        "GPU backends and multi-rank training arrive with the vLLM/Megatron backends")
+    for modality in spec.model.modalities:
+        if modality != "text":
+            problems.append(f"model.modalities lists {modality}; the runtime feeds text only so far")
+    for name in ("reference", "critic", "actor_fwd"):
+        if getattr(spec.roles, name) is not None:
+            problems.append(f"roles.{name} is not run by this version of the runtime; remove it "
+                            "(and algorithm.kl_coef, ppo, decoupled correction, which need it)")
+    if spec.async_policy.correction == "decoupled":
+        problems.append("async_policy.correction decoupled needs roles.actor_fwd; use tis or none")
+    for name, replicas in (("rollout", spec.roles.rollout.replicas), ("reward", spec.roles.reward.replicas),
+                           ("advantage", spec.roles.advantage.replicas)):
+        if replicas != 1:
+            problems.append(f"roles.{name}.replicas={replicas}: the runtime runs one {name} worker so far; set 1")
+    return problems
+
+
+@dataclass
+class Host:
+    """One role worker to start: the roles it hosts and the plan instance whose bundle it takes."""
+
+    roles: list[str]
+    instance: RoleInstance
+    threads: int
+
+
+def plan_hosts(plan: Plan) -> list[Host]:
+    """Which roles share a worker process: colocate joins rollout and actor, all else stands alone."""
+    cores = os.cpu_count() or 2
+    first = {role: plan.instances_of(role)[0] for role in ROLES}
+    model_threads = max(1, cores // 2)
+    if plan.mode == "colocate":
+        return [Host(["rollout", "actor"], first["actor"], model_threads),
+                Host(["reward"], first["reward"], 1), Host(["advantage"], first["advantage"], 1)]
+    return [Host(["rollout"], first["rollout"], model_threads), Host(["actor"], first["actor"], model_threads),
+            Host(["reward"], first["reward"], 1), Host(["advantage"], first["advantage"], 1)]
+
+
+def output_path(spec: RunSpec) -> Path:
+    """Runs write under the current directory unless output_dir is absolute."""
+    return Path(spec.trainer.output_dir).expanduser().resolve()
+
+
+def resume_point(output_dir: Path, resume: bool) -> tuple[int, Path | None]:
+    found = latest_checkpoint(output_dir)
+    if resume:
+        if found is None:
+            raise LaunchError(f"--resume: no checkpoint under {output_dir / 'checkpoints'}; run without --resume "
+                              "to start fresh")
+        return found
+    if found is not None:
+        raise LaunchError(f"{output_dir} already holds a run (checkpoint at step {found[0]}); pass --resume to "
+                          "continue it, or set another name or trainer.output_dir")
+    return 0, None
+
+
+class Controller:
+    """Deploys the workers of one run, joins their reports, and stops them."""
+
+    def __init__(self, spec: RunSpec, plan: Plan, base_dir: Path, output_dir: Path, model_path: str,
+                 start_step: int, resume_from: Path | None, stream: Any = None) -> None:
+        self.spec, self.plan, self.base_dir, self.output_dir = spec, plan, base_dir, output_dir
+        self.model_path = model_path
+        self.start_step, self.resume_from = start_step, resume_from
+        self.progress = Progress(spec.trainer.steps, stream)
+        self.metrics = MetricsLog(output_dir, start_step if resume_from else None)
+
+    def run(self) -> int:
+        import ray
+
+        from relax.bus import Bus
+        from relax.runtime.placement import create_placement
+        from relax.runtime.run_state import RunState
+        from relax.runtime.workers import RoleWorker
+
+        bus = Bus.start(num_storage_units=1)
+        placement = create_placement(self.plan)
+        state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64).remote()
+        spec = self.spec.model_copy(deep=True)
+        spec.trainer.output_dir = str(self.output_dir)
+        workers = []
+        try:
+            for host in plan_hosts(self.plan):
+                options = placement.actor_options(host.instance)
+                worker = ray.remote(RoleWorker).options(**options, max_concurrency=2).remote(
+                    spec, str(self.base_dir), self.model_path, host.roles, state, self.start_step,
+                    str(self.resume_from) if self.resume_from else None, host.threads, ROLE_TIMEOUT_S)
+                workers.append(worker)
+            ray.get([w.ready.remote() for w in workers], timeout=ROLE_TIMEOUT_S)
+            runs = [w.run.remote(self.start_step) for w in workers]
+            self._watch(state, runs)
+            ray.get(runs)
+            return EXIT_OK
+        finally:
+            for worker in workers:
+                ray.kill(worker)
+            placement.remove()
+            bus.close()
+
+    def _watch(self, state: Any, runs: list[Any]) -> None:
+        import ray
+
+        last_end = time.time()
+        for step in range(self.start_step, self.spec.trainer.steps):
+            while True:
+                reports = ray.get(state.wait_reports.remote(step, list(ROLES), 1.0))
+                if reports:
+                    break
+                finished, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+                for ref in finished:
+                    ray.get(ref)  # raises the role's failure
+                if finished and len(finished) == len(runs):
+                    raise RuntimeError(f"every role stopped before step {step + 1} was reported")
+            end = reports["actor"]["end_time"]
+            row = step_row(step + 1, reports, end - last_end)
+            last_end = end
+            self.metrics.append(row)
+            self.progress.update(row)
+
+
+def _init_ray(spec: RunSpec) -> bool:
+    """Start an embedded Ray (returns True) or join ``cluster.address`` (False)."""
+    import ray
+
+    os.environ.update(QUIET_ENV)
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": dict(QUIET_ENV)}
+    if spec.cluster.address is None:
+        # address="local" always starts a new Ray, even when another one runs on this machine.
+        ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
+                 logging_level="ERROR", runtime_env=runtime_env)
+        return True
+    ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=runtime_env)
+    return False
+
+
+def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
+    """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
+    problems = preflight(spec, plan)
+    if problems:
+        print("relax run: this spec cannot run here:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return EXIT_RUN_FAILED
+    output_dir = output_path(spec)
+    try:
+        start_step, resume_from = resume_point(output_dir, resume)
+    except LaunchError as exc:
+        print(f"relax run: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    if start_step >= spec.trainer.steps:
+        print(f"relax run: the checkpoint is at step {start_step}, trainer.steps is {spec.trainer.steps}: nothing to do")
+        return EXIT_OK
+    from relax.runtime.components import materialize_model
+
+    model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
+    import ray
+
+    embedded = _init_ray(spec)
+    try:
+        controller = Controller(spec, plan, base_dir, output_dir, model_path, start_step, resume_from, stream)
+        return controller.run()
+    except KeyboardInterrupt:
+        print("relax run: interrupted; the last checkpoint is kept for --resume", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except Exception as exc:  # a role failed: report its cause, not the controller's traceback
+        cause = getattr(exc, "cause", None) or exc  # a role's exception arrives wrapped by Ray
+        lines = str(cause).strip().splitlines() or [repr(cause)]
+        print(f"relax run: the run failed: {lines[0]}", file=sys.stderr)
+        if os.environ.get("RELAX_DEBUG"):
+            print(str(exc), file=sys.stderr)
+        return EXIT_RUN_FAILED
+    finally:
+        if embedded:
+            ray.shutdown()

@@ -1,0 +1,280 @@
+"""What each role does for one training step, given the bus and the run's control-plane service.
+
+A loop owns its plugin objects and does one step's work per call; a worker (``workers.py``)
+hosts one or more loops in one Ray process. The data path is the bus only: the rollout writes a
+step's rows to partition ``step-<n>``, the reward and advantage tasks add their columns, and the
+actor takes the finished rows. ``RunState`` only says when a column is ready and which policy
+version exists, so nobody polls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+import torch
+
+from relax.algo.batch import collate
+from relax.bus import Bus
+from relax.contracts import Generation, RewardSample
+from relax.runtime.checkpoint import save_checkpoint
+from relax.runtime.components import (
+    build_advantage,
+    build_dataset,
+    build_rewards,
+    build_rollout,
+    build_trainer,
+)
+from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
+from relax.spec.models import RunSpec
+
+#: Columns the rollout writes; the reward, advantage and actor tasks read subsets of them.
+ROLLOUT_COLUMNS = ("prompt", "response", "label", "prompt_ids", "response_ids", "rollout_logprobs")
+TRAIN_COLUMNS = ("prompt_ids", "response_ids", "rollout_logprobs", "advantages", "rewards")
+#: Longest single wait on the control plane before re-checking whether the run was stopped.
+WAIT_SLICE_S = 2.0
+
+
+class RunStopped(Exception):
+    """The run was stopped (by a failure elsewhere or by the user) while this role waited."""
+
+
+class StalenessViolation(RuntimeError):
+    """A batch holds samples older than ``async_policy.max_staleness`` allows: never trained."""
+
+
+def partition_of(step: int) -> str:
+    return f"step-{step}"
+
+
+@dataclass
+class RoleEnv:
+    """What every loop of a run shares inside one worker process."""
+
+    spec: RunSpec
+    base_dir: Path
+    output_dir: Path
+    bus: Bus
+    state: Any
+    """The ``RunState`` actor handle."""
+    timeout_s: float
+    threads: int | None
+    model_path: str
+    """The model as a local folder (built-in models are materialized by the driver first)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.algorithm.prompts_per_step * self.spec.algorithm.samples_per_prompt
+
+    def wait(self, method: str, *args: Any) -> Any:
+        """Block on a ``RunState`` wait in slices, failing clearly on stop or timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            result = ray.get(getattr(self.state, method).remote(*args, WAIT_SLICE_S))
+            if result:
+                return result
+            if ray.get(self.state.stopped.remote()):
+                raise RunStopped(f"run stopped while waiting ({method}{args})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout_s:.0f} s for {method}{args}; the role that should "
+                                   "provide it is stuck or dead")
+
+    def take(self, step: int, after: str, fields: tuple[str, ...], task: str) -> Any:
+        """This task's rows of a step, once ``after`` has been announced for them."""
+        self.wait("wait_ready", partition_of(step), after)
+        return self.bus.get(partition_of(step), list(fields), task=task, batch_size=self.batch_size,
+                            timeout_s=self.timeout_s)
+
+
+class WeightChannel(Protocol):
+    """How new policy weights reach a rollout backend."""
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None: ...
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]: ...
+
+
+class InProcessWeights:
+    """Colocate: the trainer and the rollout share a process; the newest weights are just handed over."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.weights: dict[str, Any] | None = None
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        self.version, self.weights = version, weights
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
+        if self.version < min_version:
+            raise RuntimeError(f"colocated rollout needs policy version {min_version} but the trainer is at "
+                               f"{self.version}; steps ran out of order")
+        return self.version, (self.weights if self.version > held else None)
+
+
+class ObjectStoreWeights:
+    """Separate/hybrid: weights go through Ray's object store; ``RunState`` holds the reference."""
+
+    def __init__(self, env: RoleEnv) -> None:
+        self.env = env
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        # Not awaited: calls from one process to one actor run in order, and the reference keeps
+        # the weights alive in this process's object store until a newer version replaces them.
+        self.env.state.publish.remote(version, [ray.put(weights)])
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
+        version, refs = self.env.wait("wait_version", min_version)
+        return version, (ray.get(refs[0]) if version > held else None)
+
+
+class RolloutLoop:
+    """Generates a step's samples once the staleness bound admits it, and puts them on the bus."""
+
+    role = "rollout"
+
+    def __init__(self, env: RoleEnv, weights: WeightChannel) -> None:
+        spec = env.spec
+        self.env, self.weights = env, weights
+        self.backend = build_rollout(spec, env.model_path, env.threads)
+        self.dataset = build_dataset(spec, env.base_dir)
+        self.schedule = PromptSchedule(len(self.dataset), spec.algorithm.prompts_per_step, spec.seed,
+                                       spec.data.shuffle)
+        self.tokenizer = self.backend.tokenizer
+
+    def step(self, step: int) -> dict[str, Any]:
+        spec, env = self.env.spec, self.env
+        t0 = time.perf_counter()
+        # Admission: the batch of step s may be generated by version v only if s - v <= k.
+        version, weights = self.weights.wait(step - spec.async_policy.max_staleness, self.backend.version)
+        t1 = time.perf_counter()
+        if weights is not None:
+            self.backend.load_weights(weights, version)
+        t2 = time.perf_counter()
+        indices = self.schedule.indices(step)
+        rows = prompt_rows(self.dataset, indices, spec.data.prompt_key, spec.data.label_key)
+        n = spec.algorithm.samples_per_prompt
+        gens: list[Generation] = self.backend.generate([r["prompt"] for r in rows], n, spec.roles.rollout.sampling,
+                                                       sampling_seed(spec.seed, step))
+        t3 = time.perf_counter()
+        held = self.backend.version
+        columns = {
+            "prompt": [rows[g.prompt_index]["prompt"] for g in gens],
+            "response": [g.text for g in gens],
+            "label": [rows[g.prompt_index]["label"] for g in gens],
+            "prompt_ids": [torch.tensor(g.prompt_ids, dtype=torch.long) for g in gens],
+            "response_ids": [torch.tensor(g.response_ids, dtype=torch.long) for g in gens],
+            "rollout_logprobs": [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens],
+        }
+        meta = [{"policy_version": held, "sample_id": f"{step}:{rows[g.prompt_index]['index']}:{i % n}",
+                 "group": g.prompt_index} for i, g in enumerate(gens)]
+        env.bus.put(partition_of(step), columns, meta)
+        env.state.announce.remote(partition_of(step), "response")  # ordered after the put; no need to wait
+        t4 = time.perf_counter()
+        tokens = sum(len(g.response_ids) for g in gens)
+        return {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": t3 - t2, "bus_s": t4 - t3,
+                "response_tokens": tokens, "policy_version": held,
+                "data_order": hashlib.sha1(repr(indices).encode()).hexdigest()[:12]}
+
+
+class RewardLoop:
+    """Scores a step's responses with every reward plugin and adds the weighted sum as ``rewards``."""
+
+    role = "reward"
+
+    def __init__(self, env: RoleEnv) -> None:
+        self.env = env
+        self.rewards = build_rewards(env.spec)
+
+    def step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        batch = self.env.take(step, "response", ("prompt", "response", "label"), "reward")
+        t1 = time.perf_counter()
+        samples = [RewardSample(prompt=p, response=r, label=lab, metadata={"sample_id": m.sample_id})
+                   for p, r, lab, m in zip(batch["prompt"], batch["response"], batch["label"], batch.meta)]
+        total = torch.zeros(len(samples))
+        for plugin, weight in self.rewards:
+            scores = plugin.score(samples)
+            if len(scores) != len(samples):
+                raise ValueError(f"reward plugin {type(plugin).__name__} returned {len(scores)} scores for "
+                                 f"{len(samples)} samples; it must return one per sample")
+            total += weight * torch.tensor([float(s) for s in scores])
+        t2 = time.perf_counter()
+        self.env.bus.write_fields(batch, {"rewards": total})
+        self.env.state.announce.remote(partition_of(step), "rewards")
+        return {"reward_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0,
+                "reward_mean": float(total.mean())}
+
+
+class AdvantageLoop:
+    """Turns a step's rewards into advantages (group ids come from the rows' metadata)."""
+
+    role = "advantage"
+
+    def __init__(self, env: RoleEnv) -> None:
+        self.env = env
+        self.estimator = build_advantage(env.spec)
+
+    def step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        batch = self.env.take(step, "rewards", ("rewards",), "advantage")
+        t1 = time.perf_counter()
+        groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
+        advantages = self.estimator.compute(batch["rewards"].float(), groups)
+        t2 = time.perf_counter()
+        self.env.bus.write_fields(batch, {"advantages": advantages.float()})
+        self.env.state.announce.remote(partition_of(step), "advantages")
+        return {"advantage_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0}
+
+
+class TrainLoop:
+    """Takes a step's finished rows, checks their staleness, trains, publishes and checkpoints."""
+
+    role = "actor"
+
+    def __init__(self, env: RoleEnv, weights: WeightChannel, start_step: int, resume_from: Path | None) -> None:
+        self.env, self.weights = env, weights
+        spec = env.spec
+        self.trainer = build_trainer(spec, env.model_path, env.threads)
+        if resume_from is not None:
+            self.trainer.load(str(resume_from / "trainer"))
+        pad = self.trainer.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.trainer.tokenizer.eos_token_id)
+        self.version = start_step
+        self.weights.publish(start_step, self.trainer.weights())
+
+    def step(self, step: int) -> dict[str, Any]:
+        spec, env = self.env.spec, self.env
+        t0 = time.perf_counter()
+        batch = env.take(step, "advantages", TRAIN_COLUMNS, "actor")
+        t1 = time.perf_counter()
+        versions = [m.policy_version for m in batch.meta]
+        lags = [step - v for v in versions]
+        k = spec.async_policy.max_staleness
+        if max(lags) > k or min(lags) < 0:
+            raise StalenessViolation(f"step {step} received samples of policy versions {sorted(set(versions))}: "
+                                     f"lag {max(lags)} exceeds async_policy.max_staleness={k}")
+        gens = [Generation(prompt_index=0, prompt_ids=p.tolist(), response_ids=r.tolist(), logprobs=lp.tolist(), text="")
+                for p, r, lp in zip(batch["prompt_ids"], batch["response_ids"], batch["rollout_logprobs"])]
+        train_batch = collate(gens, batch["advantages"], self.pad_token_id, policy_version=versions,
+                              rewards=batch["rewards"])
+        t2 = time.perf_counter()
+        metrics = self.trainer.train_step(train_batch)
+        t3 = time.perf_counter()
+        self.version = step + 1
+        self.weights.publish(self.version, self.trainer.weights())
+        t4 = time.perf_counter()
+        every = spec.trainer.checkpoint_every
+        checkpoint_s = 0.0
+        if (every and self.version % every == 0) or self.version == spec.trainer.steps:
+            save_checkpoint(env.output_dir, self.version, self.trainer, spec.trainer.keep_checkpoints)
+            checkpoint_s = time.perf_counter() - t4
+        env.bus.clear_soon(partition_of(step))
+        env.state.forget.remote(partition_of(step))
+        return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
+                "checkpoint_s": checkpoint_s, "staleness_max": max(lags),
+                "staleness_mean": sum(lags) / len(lags), "reward_mean": float(batch["rewards"].float().mean()),
+                "train": {k: float(v) for k, v in metrics.items()}, "end_time": time.time()}

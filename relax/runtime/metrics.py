@@ -1,0 +1,97 @@
+"""Per-step metrics: one JSON object per step in ``<output_dir>/metrics.jsonl``, and the progress line.
+
+Each role reports its own timings for a step to ``RunState``; the controller joins them here.
+Time keys (seconds): ``time/step_s`` wall time between two optimizer steps; ``time/rollout_s``
+generating; ``time/reward_s`` and ``time/advantage_s`` scoring; ``time/train_s`` the train step;
+``time/wait_s`` the rollout held back by the staleness bound; ``time/data_wait_s`` the actor
+waiting for its batch; ``time/weight_sync_s`` publishing and loading weights; ``time/bus_s``
+bus calls of all roles. ``time/work_frac`` is (generating + scoring + training) / step time,
+summed over roles, so it exceeds 1 when they overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> dict[str, Any]:
+    """The metrics.jsonl object of one finished step (``step`` counts optimizer steps done)."""
+    rollout, reward, advantage, actor = (reports[r] for r in ("rollout", "reward", "advantage", "actor"))
+    work = rollout["rollout_s"] + reward["reward_s"] + advantage["advantage_s"] + actor["train_s"]
+    row: dict[str, Any] = {
+        "step": step,
+        "reward/mean": actor["reward_mean"],
+        "staleness/max": actor["staleness_max"],
+        "staleness/mean": actor["staleness_mean"],
+        "policy_version/rollout": rollout["policy_version"],
+        "time/step_s": step_s,
+        "time/rollout_s": rollout["rollout_s"],
+        "time/reward_s": reward["reward_s"],
+        "time/advantage_s": advantage["advantage_s"],
+        "time/train_s": actor["train_s"],
+        "time/wait_s": rollout["admission_wait_s"],
+        "time/data_wait_s": actor["data_wait_s"],
+        "time/weight_sync_s": actor["publish_s"] + rollout["weight_load_s"],
+        "time/bus_s": rollout["bus_s"] + reward["bus_s"] + advantage["bus_s"] + actor["collate_s"],
+        "time/checkpoint_s": actor["checkpoint_s"],
+        "time/work_frac": work / step_s if step_s > 0 else 0.0,
+        "throughput/tokens_per_s": rollout["response_tokens"] / step_s if step_s > 0 else 0.0,
+        "data/order": rollout["data_order"],
+    }
+    row.update({f"train/{k}": v for k, v in actor["train"].items()})
+    return row
+
+
+class MetricsLog:
+    """Appends step rows to metrics.jsonl; on resume, drops rows past the checkpoint first."""
+
+    def __init__(self, output_dir: Path, resume_step: int | None) -> None:
+        self.path = output_dir / METRICS_FILE
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def append(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; give the output_dir of a run")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A bar on a terminal, plain lines otherwise (logs, CI)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+
+    def update(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        text = (f"step {step}/{self.total}  reward {row['reward/mean']:.3f}  staleness {row['staleness/max']}  "
+                f"{row['throughput/tokens_per_s']:.0f} tok/s  {row['time/step_s']:.2f} s/step "
+                f"(gen {row['time/rollout_s']:.2f} train {row['time/train_s']:.2f} "
+                f"sync {row['time/weight_sync_s']:.3f} wait {row['time/wait_s']:.2f})")
+        if self.tty:
+            width = 24
+            filled = int(width * step / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            if step == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[relax] {text}\n")
+        self.stream.flush()

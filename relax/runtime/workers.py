@@ -1,0 +1,91 @@
+"""Role workers: Ray actors that host one or more role loops and run them step after step.
+
+Separate and hybrid modes give each role its own worker; colocate puts the rollout and the actor
+loops in one worker, which alternates generating and training and hands weights over in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from relax.bus import Bus
+from relax.runtime.checkpoint import restore_rng
+from relax.runtime.loops import (
+    AdvantageLoop,
+    InProcessWeights,
+    ObjectStoreWeights,
+    RewardLoop,
+    RoleEnv,
+    RolloutLoop,
+    RunStopped,
+    TrainLoop,
+)
+from relax.spec.models import RunSpec
+
+
+class RoleWorker:
+    """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
+
+    def __init__(self, spec: RunSpec, base_dir: str, model_path: str, roles: list[str], state: Any,
+                 start_step: int, resume_from: str | None, threads: int | None, timeout_s: float) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.roles = roles
+        self.state = state
+        self.spec = spec
+        if threads:
+            torch.set_num_threads(threads)
+        output_dir = Path(spec.trainer.output_dir)
+        output_dir = output_dir if output_dir.is_absolute() else Path(base_dir) / output_dir
+        self.env = RoleEnv(spec=spec, base_dir=Path(base_dir), output_dir=output_dir, bus=Bus.attach(),
+                           state=state, timeout_s=timeout_s, threads=threads, model_path=model_path)
+        resume = Path(resume_from) if resume_from else None
+        if resume is not None:
+            restore_rng(resume)
+        shared = InProcessWeights() if {"rollout", "actor"} <= set(roles) else None
+        self.loops: list[Any] = []
+        # The actor is built first so it publishes the starting weights before anyone waits.
+        if "actor" in roles:
+            self.loops.append(TrainLoop(self.env, shared or ObjectStoreWeights(self.env), start_step, resume))
+        if "rollout" in roles:
+            self.loops.insert(0, RolloutLoop(self.env, shared or ObjectStoreWeights(self.env)))
+        if "reward" in roles:
+            self.loops.append(RewardLoop(self.env))
+        if "advantage" in roles:
+            self.loops.append(AdvantageLoop(self.env))
+
+    def ready(self) -> dict[str, Any]:
+        """Where this worker runs (for placement checks) once its loops are built."""
+        return {"roles": self.roles, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads()}
+
+    def run(self, start_step: int) -> dict[str, Any]:
+        """Run every step from ``start_step``; stop quietly when the run is stopped."""
+        steps = self.spec.trainer.steps
+        done = start_step
+        try:
+            for step in range(start_step, steps):
+                for loop in self.loops:
+                    started = time.perf_counter()
+                    stats = loop.step(step)
+                    stats["busy_s"] = time.perf_counter() - started
+                    self.state.report.remote(step, loop.role, stats)
+                done = step + 1
+        except RunStopped:
+            return {"roles": self.roles, "steps_done": done, "stopped": True}
+        except Exception as exc:
+            detail = "".join(traceback.format_exception(exc))
+            ray.get(self.state.stop.remote(f"{'/'.join(self.roles)} failed at step {done}: {exc}"))
+            raise RuntimeError(f"role {'/'.join(self.roles)} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
+        return {"roles": self.roles, "steps_done": done, "stopped": False}
+
+    def close(self) -> None:
+        self.env.bus.close()

@@ -1,0 +1,127 @@
+"""``relax run`` of the tiny preset on a real local Ray with the real TransferQueue bus."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from relax.config import load_spec_dict
+from relax.plan import make_plan
+from relax.runtime.launch import run_spec
+from relax.spec import validate_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One Ray for the module (each run still starts and closes its own bus and workers)."""
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def tiny(tmp_path: Path, name: str, *overrides: str):
+    raw, base = load_spec_dict("tiny-cpu", [f"name={name}", f"trainer.output_dir={tmp_path / name}",
+                                            "trainer.steps=3", "tracing.exporter=none", *overrides])
+    spec = validate_spec(raw, base_dir=base)
+    return spec, make_plan(spec, base_dir=base), base
+
+
+def run(tmp_path: Path, name: str, *overrides: str, resume: bool = False) -> tuple[int, list[dict], str]:
+    spec, plan, base = tiny(tmp_path, name, *overrides)
+    out = io.StringIO()
+    code = run_spec(spec, plan, base_dir=base, resume=resume, stream=out)
+    metrics = tmp_path / name / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return code, rows, out.getvalue()
+
+
+MODES = [("colocate", 0), ("separate", 0), ("separate", 1), ("separate", 2), ("hybrid", 1)]
+
+
+@pytest.fixture(scope="module")
+def mode_runs(local_ray, tmp_path_factory) -> dict[tuple[str, int], tuple[int, list[dict], str]]:
+    """Each placement mode and staleness bound, 4 steps each, run once for the tests below."""
+    root = tmp_path_factory.mktemp("modes")
+    return {(mode, k): run(root, f"{mode}-{k}", f"placement.mode={mode}", f"async_policy.max_staleness={k}",
+                           "trainer.steps=4")
+            for mode, k in MODES}
+
+
+@pytest.mark.parametrize(("mode", "k"), MODES)
+def test_each_mode_trains_within_its_staleness_bound(mode_runs, mode: str, k: int) -> None:
+    code, rows, printed = mode_runs[(mode, k)]
+    assert code == 0
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["staleness/max"] for r in rows) <= k
+    for key in ("reward/mean", "staleness/mean", "time/step_s", "time/rollout_s", "time/train_s",
+                "time/wait_s", "time/weight_sync_s", "throughput/tokens_per_s"):
+        assert all(key in r for r in rows), key
+    assert all(r["throughput/tokens_per_s"] > 0 for r in rows)
+    assert printed.count("[relax] step") == 4  # plain progress lines when not a terminal
+
+
+def test_async_modes_use_their_slack(mode_runs) -> None:
+    # With k >= 1 the rollout may run ahead: some step trains on samples one version old.
+    for key in (("separate", 1), ("separate", 2), ("hybrid", 1)):
+        assert max(r["staleness/max"] for r in mode_runs[key][1]) >= 1, key
+
+
+def test_separate_on_policy_matches_colocate_step_by_step(mode_runs) -> None:
+    colocate, separate = mode_runs[("colocate", 0)][1], mode_runs[("separate", 0)][1]
+    assert [r["data/order"] for r in colocate] == [r["data/order"] for r in separate]
+    assert [r["reward/mean"] for r in colocate] == [r["reward/mean"] for r in separate]
+    for a, b in zip(colocate, separate):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+
+
+def test_resume_continues_with_the_same_data_order_and_step_count(local_ray, tmp_path: Path) -> None:
+    whole = run(tmp_path, "whole", "placement.mode=colocate", "async_policy.max_staleness=0",
+                "trainer.steps=4", "trainer.checkpoint_every=2")
+    assert whole[0] == 0
+    first = run(tmp_path, "split", "placement.mode=colocate", "async_policy.max_staleness=0",
+                "trainer.steps=2", "trainer.checkpoint_every=2")
+    assert first[0] == 0 and len(first[1]) == 2
+    resumed = run(tmp_path, "split", "placement.mode=colocate", "async_policy.max_staleness=0",
+                  "trainer.steps=4", "trainer.checkpoint_every=2", resume=True)
+    assert resumed[0] == 0
+    assert [r["step"] for r in resumed[1]] == [1, 2, 3, 4]
+    assert [r["data/order"] for r in resumed[1]] == [r["data/order"] for r in whole[1]]
+    for a, b in zip(resumed[1], whole[1]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_a_role_failure_stops_the_run_with_its_cause(local_ray, tmp_path: Path, capsys) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    code, rows, _ = run(tmp_path, "broken", f"data.train={{source: {data}}}")
+    assert code == 1 and rows == []
+    err = capsys.readouterr().err
+    assert "rollout failed at step 0" in err and "no 'prompt' column" in err
+
+
+def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys) -> None:
+    raw, base = load_spec_dict("qwen3-4b-grpo-async", [f"trainer.output_dir={tmp_path / 'gpu'}"])
+    spec = validate_spec(raw, base_dir=base)
+    assert run_spec(spec, make_plan(spec, base_dir=base), base_dir=base) == 1
+    assert "asks for 8 GPU(s) but this machine has 0" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "gpu").exists()
+
+
+def test_a_finished_run_is_not_overwritten_and_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
+    spec, plan, base = tiny(tmp_path, "kept")
+    checkpoint = tmp_path / "kept" / "checkpoints" / "step-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 2}))
+    assert run_spec(spec, plan, base_dir=base) == 1
+    assert "already holds a run" in capsys.readouterr().err and checkpoint.exists()
+    other, plan, base = tiny(tmp_path, "empty")
+    assert run_spec(other, plan, base_dir=base, resume=True) == 1
+    assert "no checkpoint" in capsys.readouterr().err
