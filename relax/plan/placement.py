@@ -170,16 +170,24 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
                 _trained_instances(name, role, actor_pool, actor_bundles)
             else:
                 trained_pool(name, role)
-    reward_pool = PoolBuilder(name="reward")
-    _cpu_workers(reward_pool, "reward", roles.reward.replicas, roles.reward.cpus)
-    builders.append(reward_pool)
     if mode == "hybrid":
+        reward_pool = PoolBuilder(name="reward")
+        _cpu_workers(reward_pool, "reward", roles.reward.replicas, roles.reward.cpus)
+        builders.append(reward_pool)
         actor_pool = next(b for b in builders if b.name == "actor")
         _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
     else:
-        advantage_pool = PoolBuilder(name="advantage")
-        _cpu_workers(advantage_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
-        builders.append(advantage_pool)
+        # Scoring and advantages are cheap CPU work on the same rows: one pool, and the first
+        # advantage worker shares the first reward bundle, so the runtime can hand rewards to it
+        # in memory instead of through another bus round trip.
+        scoring = PoolBuilder(name="scoring")
+        _cpu_workers(scoring, "reward", roles.reward.replicas, roles.reward.cpus + roles.advantage.cpus)
+        scoring.roles.append("advantage")
+        for rank in range(roles.advantage.replicas):
+            index = 0 if rank == 0 else scoring.add_cpu_bundle(roles.advantage.cpus)
+            scoring.instances.append(RoleInstance(role="advantage", rank=rank, pool=scoring.name,
+                                                  bundles=[index], node=0))
+        builders.append(scoring)
     pools = [b.build(single_node) for b in builders]
     instances = [i for b in builders for i in b.instances]
     return pools, instances

@@ -6,9 +6,8 @@ from __future__ import annotations
 from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge
 from relax.spec.models import RunSpec
 
-#: Columns the rollout writes for every sample.
-ROLLOUT_FIELDS = ("prompt", "response", "label", "input_ids", "attention_mask", "response_mask",
-                  "rollout_logprobs", "response_length")
+#: Columns the rollout writes for every sample (see relax.runtime.rows for their layout).
+ROLLOUT_FIELDS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
 
 
 def bus_fields(spec: RunSpec) -> list[BusField]:
@@ -17,9 +16,7 @@ def bus_fields(spec: RunSpec) -> list[BusField]:
     token_readers = ["actor"] + [r for r in ("reference", "actor_fwd", "critic") if getattr(roles, r) is not None]
     readers = {
         "prompt": ["reward"], "response": ["reward"], "label": ["reward"],
-        "input_ids": token_readers, "attention_mask": token_readers,
-        "response_mask": ["advantage", *token_readers], "rollout_logprobs": ["actor"],
-        "response_length": ["advantage"],
+        "input_ids": token_readers, "rollout_logprobs": ["actor"], "lengths": token_readers,
     }
     fields = [BusField(name=name, writer="rollout", readers=readers[name]) for name in ROLLOUT_FIELDS]
     fields.append(BusField(name="rewards", writer="reward", readers=["advantage"]))

@@ -73,15 +73,17 @@ class Host:
 
 
 def plan_hosts(plan: Plan) -> list[Host]:
-    """Which roles share a worker process: colocate joins rollout and actor, all else stands alone."""
+    """Which roles share a worker process: colocate joins rollout and actor; reward and advantage
+    share one when the plan puts them on one bundle; every other role stands alone."""
     cores = os.cpu_count() or 2
     first = {role: plan.instances_of(role)[0] for role in ROLES}
     model_threads = max(1, cores // 2)
-    if plan.mode == "colocate":
-        return [Host(["rollout", "actor"], first["actor"], model_threads),
-                Host(["reward"], first["reward"], 1), Host(["advantage"], first["advantage"], 1)]
-    return [Host(["rollout"], first["rollout"], model_threads), Host(["actor"], first["actor"], model_threads),
-            Host(["reward"], first["reward"], 1), Host(["advantage"], first["advantage"], 1)]
+    hosts = ([Host(["rollout", "actor"], first["actor"], model_threads)] if plan.mode == "colocate" else
+             [Host(["rollout"], first["rollout"], model_threads), Host(["actor"], first["actor"], model_threads)])
+    reward, advantage = first["reward"], first["advantage"]
+    if (reward.pool, reward.bundles) == (advantage.pool, advantage.bundles):  # planned to share a bundle
+        return hosts + [Host(["reward", "advantage"], reward, 1)]
+    return hosts + [Host(["reward"], reward, 1), Host(["advantage"], advantage, 1)]
 
 
 def output_path(spec: RunSpec) -> Path:

@@ -18,8 +18,7 @@ from typing import Any, Protocol
 import ray
 import torch
 
-from relax.algo.batch import collate
-from relax.bus import Bus
+from relax.bus import Bus, BusBatch
 from relax.contracts import Generation, RewardSample
 from relax.runtime.checkpoint import save_checkpoint
 from relax.runtime.components import (
@@ -30,11 +29,9 @@ from relax.runtime.components import (
     build_trainer,
 )
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
+from relax.runtime.rows import TRAIN_COLUMNS, rollout_columns, train_batch
 from relax.spec.models import RunSpec
 
-#: Columns the rollout writes; the reward, advantage and actor tasks read subsets of them.
-ROLLOUT_COLUMNS = ("prompt", "response", "label", "prompt_ids", "response_ids", "rollout_logprobs")
-TRAIN_COLUMNS = ("prompt_ids", "response_ids", "rollout_logprobs", "advantages", "rewards")
 #: Longest single wait on the control plane before re-checking whether the run was stopped.
 WAIT_SLICE_S = 2.0
 
@@ -143,7 +140,8 @@ class RolloutLoop:
         self.dataset = build_dataset(spec, env.base_dir)
         self.schedule = PromptSchedule(len(self.dataset), spec.algorithm.prompts_per_step, spec.seed,
                                        spec.data.shuffle)
-        self.tokenizer = self.backend.tokenizer
+        pad = self.backend.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.backend.tokenizer.eos_token_id)
 
     def step(self, step: int) -> dict[str, Any]:
         spec, env = self.env.spec, self.env
@@ -161,14 +159,7 @@ class RolloutLoop:
                                                        sampling_seed(spec.seed, step))
         t3 = time.perf_counter()
         held = self.backend.version
-        columns = {
-            "prompt": [rows[g.prompt_index]["prompt"] for g in gens],
-            "response": [g.text for g in gens],
-            "label": [rows[g.prompt_index]["label"] for g in gens],
-            "prompt_ids": [torch.tensor(g.prompt_ids, dtype=torch.long) for g in gens],
-            "response_ids": [torch.tensor(g.response_ids, dtype=torch.long) for g in gens],
-            "rollout_logprobs": [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens],
-        }
+        columns = rollout_columns(gens, [r["prompt"] for r in rows], [r["label"] for r in rows], self.pad_token_id)
         meta = [{"policy_version": held, "sample_id": f"{step}:{rows[g.prompt_index]['index']}:{i % n}",
                  "group": g.prompt_index} for i, g in enumerate(gens)]
         env.bus.put(partition_of(step), columns, meta)
@@ -181,13 +172,18 @@ class RolloutLoop:
 
 
 class RewardLoop:
-    """Scores a step's responses with every reward plugin and adds the weighted sum as ``rewards``."""
+    """Scores a step's responses with every reward plugin and adds the weighted sum as ``rewards``.
+
+    When an advantage loop runs in the same worker (``handoff``), the scored rows go to it in
+    memory and it writes both columns in one bus call.
+    """
 
     role = "reward"
 
     def __init__(self, env: RoleEnv) -> None:
         self.env = env
         self.rewards = build_rewards(env.spec)
+        self.handoff: AdvantageLoop | None = None
 
     def step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -203,8 +199,11 @@ class RewardLoop:
                                  f"{len(samples)} samples; it must return one per sample")
             total += weight * torch.tensor([float(s) for s in scores])
         t2 = time.perf_counter()
-        self.env.bus.write_fields(batch, {"rewards": total})
-        self.env.state.announce.remote(partition_of(step), "rewards")
+        if self.handoff is not None:
+            self.handoff.accept(step, batch, total)
+        else:
+            self.env.bus.write_fields(batch, {"rewards": total})
+            self.env.state.announce.remote(partition_of(step), "rewards")
         return {"reward_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0,
                 "reward_mean": float(total.mean())}
 
@@ -217,15 +216,24 @@ class AdvantageLoop:
     def __init__(self, env: RoleEnv) -> None:
         self.env = env
         self.estimator = build_advantage(env.spec)
+        self._handed: dict[int, tuple[BusBatch, torch.Tensor]] = {}
+
+    def accept(self, step: int, batch: BusBatch, rewards: torch.Tensor) -> None:
+        """Rows scored by a reward loop in this process, not yet written to the bus."""
+        self._handed[step] = (batch, rewards)
 
     def step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        batch = self.env.take(step, "rewards", ("rewards",), "advantage")
+        if step in self._handed:
+            batch, rewards = self._handed.pop(step)
+        else:
+            batch = self.env.take(step, "rewards", ("rewards",), "advantage")
+            rewards = batch["rewards"].float()
         t1 = time.perf_counter()
         groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
-        advantages = self.estimator.compute(batch["rewards"].float(), groups)
+        advantages = self.estimator.compute(rewards, groups)
         t2 = time.perf_counter()
-        self.env.bus.write_fields(batch, {"advantages": advantages.float()})
+        self.env.bus.write_fields(batch, {"rewards": rewards, "advantages": advantages.float()})
         self.env.state.announce.remote(partition_of(step), "advantages")
         return {"advantage_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0}
 
@@ -241,8 +249,6 @@ class TrainLoop:
         self.trainer = build_trainer(spec, env.model_path, env.threads)
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
-        pad = self.trainer.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.trainer.tokenizer.eos_token_id)
         self.version = start_step
         self.weights.publish(start_step, self.trainer.weights())
 
@@ -257,12 +263,9 @@ class TrainLoop:
         if max(lags) > k or min(lags) < 0:
             raise StalenessViolation(f"step {step} received samples of policy versions {sorted(set(versions))}: "
                                      f"lag {max(lags)} exceeds async_policy.max_staleness={k}")
-        gens = [Generation(prompt_index=0, prompt_ids=p.tolist(), response_ids=r.tolist(), logprobs=lp.tolist(), text="")
-                for p, r, lp in zip(batch["prompt_ids"], batch["response_ids"], batch["rollout_logprobs"])]
-        train_batch = collate(gens, batch["advantages"], self.pad_token_id, policy_version=versions,
-                              rewards=batch["rewards"])
+        packed = train_batch(batch.fields, versions)
         t2 = time.perf_counter()
-        metrics = self.trainer.train_step(train_batch)
+        metrics = self.trainer.train_step(packed)
         t3 = time.perf_counter()
         self.version = step + 1
         self.weights.publish(self.version, self.trainer.weights())
@@ -276,5 +279,5 @@ class TrainLoop:
         env.state.forget.remote(partition_of(step))
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags),
-                "staleness_mean": sum(lags) / len(lags), "reward_mean": float(batch["rewards"].float().mean()),
+                "staleness_mean": sum(lags) / len(lags),
                 "train": {k: float(v) for k, v in metrics.items()}, "end_time": time.time()}

@@ -25,7 +25,7 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
     work = rollout["rollout_s"] + reward["reward_s"] + advantage["advantage_s"] + actor["train_s"]
     row: dict[str, Any] = {
         "step": step,
-        "reward/mean": actor["reward_mean"],
+        "reward/mean": reward["reward_mean"],
         "staleness/max": actor["staleness_max"],
         "staleness/mean": actor["staleness_mean"],
         "policy_version/rollout": rollout["policy_version"],

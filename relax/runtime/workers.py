@@ -61,6 +61,8 @@ class RoleWorker:
             self.loops.append(RewardLoop(self.env))
         if "advantage" in roles:
             self.loops.append(AdvantageLoop(self.env))
+            if "reward" in roles:  # scored rows go to the advantage loop in memory
+                self.loops[-2].handoff = self.loops[-1]
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""

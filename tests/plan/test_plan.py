@@ -176,7 +176,7 @@ def test_bus_and_weight_sync_follow_the_roles() -> None:
     fields = {f.name: f for f in plan.bus}
     assert fields["ref_logprobs"].writer == "reference" and fields["ref_logprobs"].readers == ["actor"]
     assert fields["advantages"].writer == "advantage"
-    assert "reference" in fields["input_ids"].readers
+    assert "reference" in fields["input_ids"].readers and "reference" in fields["lengths"].readers
     assert [(e.source, e.target, e.mechanism) for e in plan.weight_sync] == [("actor", "rollout", "nccl-broadcast")]
     _, tiny = plan_of("tiny-cpu")
     assert tiny.weight_sync[0].mechanism == "object-store"
@@ -202,6 +202,8 @@ def test_renderings_name_every_role(fmt: str) -> None:
 def test_instances_count_per_role() -> None:
     _, plan = plan_of("qwen3-omni-30b-a3b")
     assert Counter(i.role for i in plan.instances) == {"rollout": 8, "actor": 8, "reward": 1, "advantage": 1}
+    reward, advantage = plan.instances_of("reward")[0], plan.instances_of("advantage")[0]
+    assert (reward.pool, reward.bundles) == (advantage.pool, advantage.bundles) == ("scoring", [0])
 
 
 def test_plan_schema_is_current() -> None:
