@@ -73,6 +73,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from relax.telemetry.analysis import load_spans, render_summary, summarize_traces, to_chrome_trace
+
+    try:
+        spans = load_spans(Path(args.run_dir))
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(render_summary(summarize_traces(spans)), end="")
+    if args.chrome:
+        Path(args.chrome).write_text(json.dumps(to_chrome_trace(spans)))
+        print(f"wrote {args.chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from relax.spec.schema import schema_text, spec_reference_markdown
 
@@ -153,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.add_argument("--output", help="PNG path (default RUN_DIR/report.png)")
     report.set_defaults(func=cmd_report)
+
+    trace = sub.add_parser("trace", help="per-role busy/idle time and rollout/train overlap of a run's traces")
+    trace.add_argument("run_dir", help="the run's output_dir (holds traces.jsonl), or the traces file")
+    trace.add_argument("--chrome", metavar="OUT.json", help="also write a Chrome/Perfetto timeline")
+    trace.set_defaults(func=cmd_trace)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
     schema.add_argument("--write", action="store_true",

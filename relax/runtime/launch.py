@@ -6,6 +6,7 @@ joins the roles' per-step reports into metrics.jsonl and the progress line.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -123,31 +124,41 @@ class Controller:
         from relax.runtime.run_state import RunState
         from relax.runtime.workers import RoleWorker
 
+        from relax.telemetry import StepMetricsExporter, Telemetry
+
+        spec = self.spec.model_copy(deep=True)
+        spec.trainer.output_dir = str(self.output_dir)
+        spec_hash = hashlib.sha256(self.spec.model_dump_json().encode()).hexdigest()[:16]
+        telemetry = Telemetry.from_spec(spec, self.output_dir, role="controller", spec_hash=spec_hash)
+        step_metrics = StepMetricsExporter.from_spec(spec, spec_hash=spec_hash)
         bus = Bus.start(num_storage_units=1)
         placement = create_placement(self.plan)
         state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64).remote()
-        spec = self.spec.model_copy(deep=True)
-        spec.trainer.output_dir = str(self.output_dir)
         workers = []
         try:
-            for host in plan_hosts(self.plan):
-                options = placement.actor_options(host.instance)
-                worker = ray.remote(RoleWorker).options(**options, max_concurrency=2).remote(
-                    spec, str(self.base_dir), self.model_path, host.roles, state, self.start_step,
-                    str(self.resume_from) if self.resume_from else None, host.threads, ROLE_TIMEOUT_S)
-                workers.append(worker)
-            ray.get([w.ready.remote() for w in workers], timeout=ROLE_TIMEOUT_S)
-            runs = [w.run.remote(self.start_step) for w in workers]
-            self._watch(state, runs)
-            ray.get(runs)
+            with telemetry.run_span(steps=spec.trainer.steps, start_step=self.start_step, mode=self.plan.mode) as run:
+                for host in plan_hosts(self.plan):
+                    options = placement.actor_options(host.instance)
+                    worker = ray.remote(RoleWorker).options(**options, max_concurrency=2).remote(
+                        spec, str(self.base_dir), self.model_path, host.roles, state, self.start_step,
+                        str(self.resume_from) if self.resume_from else None, host.threads, ROLE_TIMEOUT_S,
+                        run.carrier(), spec_hash)
+                    workers.append(worker)
+                ray.get([w.ready.remote() for w in workers], timeout=ROLE_TIMEOUT_S)
+                runs = [w.run.remote(self.start_step) for w in workers]
+                self._watch(state, runs, telemetry, step_metrics)
+                ray.get(runs)
             return EXIT_OK
         finally:
+            ray.wait([w.close.remote() for w in workers], num_returns=len(workers), timeout=30)
             for worker in workers:
                 ray.kill(worker)
             placement.remove()
             bus.close()
+            telemetry.shutdown()
+            step_metrics.shutdown()
 
-    def _watch(self, state: Any, runs: list[Any]) -> None:
+    def _watch(self, state: Any, runs: list[Any], telemetry: Any, step_metrics: Any) -> None:
         import ray
 
         last_end = time.time()
@@ -166,6 +177,9 @@ class Controller:
             last_end = end
             self.metrics.append(row)
             self.progress.update(row)
+            telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
+                                  staleness=row["staleness/max"], tokens=reports["rollout"]["response_tokens"])
+            step_metrics.export(row)
 
 
 def _init_ray(spec: RunSpec) -> bool:

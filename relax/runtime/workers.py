@@ -28,13 +28,15 @@ from relax.runtime.loops import (
     TrainLoop,
 )
 from relax.spec.models import RunSpec
+from relax.telemetry import Telemetry
 
 
 class RoleWorker:
     """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
 
     def __init__(self, spec: RunSpec, base_dir: str, model_path: str, roles: list[str], state: Any,
-                 start_step: int, resume_from: str | None, threads: int | None, timeout_s: float) -> None:
+                 start_step: int, resume_from: str | None, threads: int | None, timeout_s: float,
+                 run_carrier: dict[str, str], spec_hash: str) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -45,8 +47,11 @@ class RoleWorker:
             torch.set_num_threads(threads)
         output_dir = Path(spec.trainer.output_dir)
         output_dir = output_dir if output_dir.is_absolute() else Path(base_dir) / output_dir
+        telemetry = Telemetry.from_spec(spec, output_dir, role="/".join(roles), spec_hash=spec_hash,
+                                        run_carrier=run_carrier)
         self.env = RoleEnv(spec=spec, base_dir=Path(base_dir), output_dir=output_dir, bus=Bus.attach(),
-                           state=state, timeout_s=timeout_s, threads=threads, model_path=model_path)
+                           state=state, timeout_s=timeout_s, threads=threads, model_path=model_path,
+                           telemetry=telemetry)
         resume = Path(resume_from) if resume_from else None
         if resume is not None:
             restore_rng(resume)
@@ -76,9 +81,10 @@ class RoleWorker:
         try:
             for step in range(start_step, steps):
                 for loop in self.loops:
-                    started = time.perf_counter()
+                    started, wall = time.perf_counter(), time.time()
                     stats = loop.step(step)
                     stats["busy_s"] = time.perf_counter() - started
+                    stats["started_at"] = wall
                     self.state.report.remote(step, loop.role, stats)
                 done = step + 1
         except RunStopped:
@@ -87,7 +93,11 @@ class RoleWorker:
             detail = "".join(traceback.format_exception(exc))
             ray.get(self.state.stop.remote(f"{'/'.join(self.roles)} failed at step {done}: {exc}"))
             raise RuntimeError(f"role {'/'.join(self.roles)} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
+        finally:
+            self.env.telemetry.flush()
         return {"roles": self.roles, "steps_done": done, "stopped": False}
 
     def close(self) -> None:
+        """Flush this process's spans and let go of the bus (called before the actor is killed)."""
+        self.env.telemetry.shutdown()
         self.env.bus.close()

