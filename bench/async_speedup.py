@@ -13,29 +13,19 @@ overhead would give. The Relax paper reports 1.76x-2.00x on GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from relax.config import load_spec_dict
-from relax.plan import make_plan
-from relax.runtime.launch import run_spec
-from relax.spec import validate_spec
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_runs import run_tiny  # noqa: E402
 
 
 def run(mode: str, staleness: int, steps: int, root: Path, extra: list[str]) -> list[dict]:
-    name = f"{mode}-k{staleness}"
-    raw, base = load_spec_dict("tiny-cpu", [f"name={name}", f"trainer.output_dir={root / name}",
-                                            f"trainer.steps={steps}", f"placement.mode={mode}",
-                                            f"async_policy.max_staleness={staleness}", "trainer.checkpoint_every=0",
-                                            "tracing.exporter=none", *extra])
-    spec = validate_spec(raw, base_dir=base)
-    code = run_spec(spec, make_plan(spec, base_dir=base), base_dir=base, stream=sys.stderr)
-    if code != 0:
-        raise SystemExit(f"the {name} run failed (exit {code})")
-    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return run_tiny(f"{mode}-k{staleness}", root, [f"trainer.steps={steps}", f"placement.mode={mode}",
+                                                   f"async_policy.max_staleness={staleness}",
+                                                   "tracing.exporter=none", *extra])
 
 
 def steady(rows: list[dict], skip: int) -> list[dict]:
