@@ -99,7 +99,7 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
     """
     pools, instances = plan_placement(spec)
     gpu_fractions(instances)
-    arch, _ = resolve_architecture(spec.model.path, base_dir or Path.cwd(), get_registry())
+    arch, _ = resolve_architecture(spec.model.path, base_dir or Path.cwd(), get_registry(), spec.model.options)
     notes = [ACCURACY_NOTE]
     memory: list[DeviceMemory] = []
     if arch is None:

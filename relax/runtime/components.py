@@ -28,8 +28,8 @@ def materialize_model(spec: RunSpec, base_dir: Path) -> str:
     """A local folder for ``model.path``; ``builtin:<name>`` is built by its plugin (cached)."""
     path = spec.model.path
     if path.startswith(BUILTIN_PREFIX):
-        cls = get_registry().load(PluginKind.models, path[len(BUILTIN_PREFIX):])
-        return cls(cls.Config()).materialize(cache_dir())
+        model = build_plugin(PluginKind.models, path[len(BUILTIN_PREFIX):], spec.model.options)
+        return model.materialize(cache_dir())
     folder = Path(path).expanduser()
     folder = folder if folder.is_absolute() else base_dir / folder
     return str(folder) if folder.is_dir() else path

@@ -42,6 +42,9 @@ class ModelSpec(Section):
     """The inputs the model reads: a subset of text, image, audio and video."""
     dtype: DType = "float32"
     """Parameter dtype for generation and training."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of a built-in model (``builtin:<name>``), checked against its plugin's ``Config``
+    (e.g. sizes, seed and warm-up of ``builtin:tiny-lm``)."""
 
     @field_validator("modalities")
     @classmethod

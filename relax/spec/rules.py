@@ -195,7 +195,7 @@ def check_gpus(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     if cluster.gpus_per_node == 0:
         for path, gpus in asked.items():
             if gpus:
-                yield SpecIssue(path, f"asks for GPUs but cluster.gpus_per_node is 0",
+                yield SpecIssue(path, "asks for GPUs but cluster.gpus_per_node is 0",
                                 "set cluster.gpus_per_node, or set it to 0 to run this role on CPU")
         return
     total = gpus_requested(spec)

@@ -31,17 +31,26 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_architecture(
-    model_path: str, base_dir: Path, registry: Registry
+    model_path: str, base_dir: Path, registry: Registry, options: dict[str, Any] | None = None
 ) -> tuple[ModelArchitecture | None, list[SpecIssue]]:
     """The model's numbers, or None when they cannot be known here (an unknown hub id)."""
     if model_path.startswith(BUILTIN_PREFIX):
         name = model_path[len(BUILTIN_PREFIX):]
         try:
             cls = registry.load(PluginKind.models, name)
-            numbers = cls(cls.Config()).architecture()
         except PluginError as exc:
             return None, [SpecIssue("model.path", str(exc), "")]
+        issues = registry.validate_options(PluginKind.models, name, options or {}, "model.options")
+        if issues:
+            return None, issues
+        try:
+            numbers = cls(cls.Config.model_validate(options or {})).architecture()
+        except ValueError as exc:
+            return None, [SpecIssue("model.options", str(exc), "")]
         return ModelArchitecture.model_validate(numbers), []
+    if options:
+        return None, [SpecIssue("model.options", "options are only for built-in models (builtin:<name>)",
+                                "remove model.options, or use a builtin: model")]
     try:
         folder = Path(model_path).expanduser()
     except RuntimeError:  # "~user/..." for a user that does not exist
@@ -83,7 +92,7 @@ def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registr
     """Run every cross-section rule on a well-shaped spec; raise ``SpecError`` with all findings."""
     registry = registry or get_registry()
     base_dir = base_dir or Path.cwd()
-    architecture, issues = resolve_architecture(spec.model.path, base_dir, registry)
+    architecture, issues = resolve_architecture(spec.model.path, base_dir, registry, spec.model.options)
     ctx = RuleContext(registry=registry, base_dir=base_dir, architecture=architecture)
     for rule in RULES:
         issues.extend(rule(spec, ctx))

@@ -132,22 +132,22 @@ def test_one_trace_follows_every_step_and_links_train_steps_to_their_rollouts(mo
     from relax.telemetry import read_spans
 
     spans = read_spans(mode_runs[("separate", 1)][3] / "traces.jsonl")
-    assert len({s["context"]["trace_id"] for s in spans}) == 1
-    by_id = {s["context"]["span_id"]: s for s in spans}
+    assert len({s["trace_id"] for s in spans}) == 1
+    by_id = {s["span_id"]: s for s in spans}
     roots = [s for s in spans if s["name"] == "relax.run"]
     steps = {s["attributes"]["relax.step"]: s for s in spans if s["name"] == "relax.step"}
     assert len(roots) == 1 and sorted(steps) == [0, 1, 2, 3]
-    assert all(s["parent_id"] == roots[0]["context"]["span_id"] for s in steps.values())
+    assert all(s["parent_id"] == roots[0]["span_id"] for s in steps.values())
     work = [s for s in spans if s["name"] in ("relax.rollout.batch", "relax.reward.score",
                                               "relax.advantage.compute", "relax.actor.train_step")]
     assert len(work) == 16
     for span in work:  # every role's unit of work sits under the step it worked on
         assert by_id[span["parent_id"]] is steps[span["attributes"]["relax.step"]]
-    rollout_step = {s["context"]["span_id"]: s["attributes"]["relax.step"]
+    rollout_step = {s["span_id"]: s["attributes"]["relax.step"]
                     for s in spans if s["name"] == "relax.rollout.batch"}
     linked = {}
     for span in (s for s in spans if s["name"] == "relax.actor.train_step"):
-        linked[span["attributes"]["relax.step"]] = [rollout_step[l["context"]["span_id"]] for l in span["links"]]
+        linked[span["attributes"]["relax.step"]] = [rollout_step[link["span_id"]] for link in span["links"]]
     assert all(linked[t] == [t] for t in linked)  # each step trains its own batch...
     staleness = {s["attributes"]["relax.step"]: s["attributes"]["relax.staleness"]
                  for s in spans if s["name"] == "relax.actor.train_step"}
@@ -160,3 +160,12 @@ def test_relax_trace_shows_overlap_only_when_roles_run_apart(mode_runs, key, ove
 
     summary = summarize_traces(load_spans(mode_runs[key][3]))[0]
     assert (summary.overlap_s > 0) is overlaps
+
+
+def test_the_tiny_preset_learns_the_task(local_ray, tmp_path: Path) -> None:
+    # The README's main job, shortened: separate mode, max_staleness 1, as the preset says.
+    code, rows, _ = run(tmp_path, "learns", "trainer.steps=30")
+    assert code == 0
+    rewards = [r["reward/mean"] for r in rows]
+    assert sum(rewards[:3]) / 3 <= 0.4, rewards[:3]
+    assert sum(rewards[-5:]) / 5 >= 0.8, rewards[-5:]

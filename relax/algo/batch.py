@@ -1,0 +1,212 @@
+"""The training batch: generations packed into padded tensors, and token log-probs.
+
+Layout of one row (``T = P + R`` columns, ``P`` the longest prompt, ``R`` the longest response)::
+
+    [left pad][prompt ids][response ids][right pad]
+     <------- P -------><------- R ------->
+
+Every prompt ends at column ``P - 1`` and every response starts at column ``P``. Token-aligned
+tensors use one convention throughout: entry ``t`` belongs to the token at column ``t``, and a
+log-prob at ``t`` is ``log p(input_ids[t] | input_ids[<t])`` (entry 0 has no context and is 0).
+
+``position_ids = max(cumsum(attention_mask) - 1, 0)``: the first real token of each row is position
+0 whatever its left padding, exactly as Hugging Face ``generate`` numbers a left-padded prompt, so
+the training forward reproduces the log-probs of generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from relax.contracts import Generation
+
+__all__ = ["TrainBatch", "collate", "token_logprobs"]
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors of ``B`` samples over ``T`` token columns (see the module docstring)."""
+
+    input_ids: Tensor
+    """``[B, T]`` int64 token ids; padding holds the pad token."""
+    attention_mask: Tensor
+    """``[B, T]`` int64: 1 on prompt and response tokens, 0 on padding."""
+    position_ids: Tensor
+    """``[B, T]`` int64: ``max(cumsum(attention_mask) - 1, 0)``."""
+    response_mask: Tensor
+    """``[B, T]`` float32: 1 on response tokens (the tokens the policy chose), 0 elsewhere."""
+    rollout_logprobs: Tensor
+    """``[B, T]`` float32: the behaviour policy's log-prob of each response token (0 elsewhere)."""
+    advantages: Tensor
+    """``[B]`` float32: one advantage per sample, applied to all its response tokens."""
+    policy_version: Tensor
+    """``[B]`` int64: the policy version that generated each sample."""
+    ref_logprobs: Tensor | None = None
+    """``[B, T]`` float32: the reference policy's token log-probs (for a KL penalty), if computed."""
+    old_logprobs: Tensor | None = None
+    """``[B, T]`` float32: a proximal ("old") policy's token log-probs recomputed by the trainer, if
+    any; when absent the behaviour log-probs serve as the old policy."""
+    rewards: Tensor | None = None
+    """``[B]`` float32: the scalar rewards (for metrics), if given."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+    def _tensors(self) -> dict[str, Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def select(self, rows: slice | Sequence[int] | Tensor) -> TrainBatch:
+        """The batch restricted to some rows (columns are kept; see ``trim``)."""
+        if not isinstance(rows, slice):
+            rows = torch.as_tensor(rows, dtype=torch.long)
+        return TrainBatch(**{k: None if v is None else v[rows] for k, v in self._tensors().items()})
+
+    def used_columns(self) -> slice:
+        """The columns from the first to the last that is not padding in some row."""
+        used = self.attention_mask.any(dim=0).nonzero()
+        if used.numel() == 0:
+            return slice(0, self.input_ids.shape[1])
+        return slice(int(used[0]), int(used[-1]) + 1)
+
+    def select_columns(self, columns: slice) -> TrainBatch:
+        """The batch restricted to some token columns (per-row fields are kept)."""
+        return TrainBatch(**{
+            k: v if v is None or v.ndim == 1 else v[:, columns] for k, v in self._tensors().items()
+        })
+
+    def trim(self) -> TrainBatch:
+        """Drop leading and trailing columns that are padding in every row.
+
+        Position ids are stored, so dropping left padding changes no log-prob.
+        """
+        columns = self.used_columns()
+        if columns.start == 0 and columns.stop == self.input_ids.shape[1]:
+            return self
+        return self.select_columns(columns)
+
+    def split(self, rows_per_part: int) -> Iterator[TrainBatch]:
+        """Consecutive parts of at most ``rows_per_part`` rows, each trimmed of padding columns."""
+        if rows_per_part < 1:
+            raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
+        for start in range(0, self.batch_size, rows_per_part):
+            yield self.select(slice(start, start + rows_per_part)).trim()
+
+    def to(self, device: str | torch.device) -> TrainBatch:
+        return TrainBatch(**{k: None if v is None else v.to(device) for k, v in self._tensors().items()})
+
+    def with_fields(self, **changes: Tensor | None) -> TrainBatch:
+        """A copy with some fields replaced (e.g. ``old_logprobs`` after a recompute)."""
+        return replace(self, **changes)
+
+    def response_values(self, values: Tensor) -> list[Tensor]:
+        """The entries of a ``[B, T]`` token tensor on each row's response tokens, row by row."""
+        mask = self.response_mask.bool()
+        return [values[i][mask[i]] for i in range(self.batch_size)]
+
+
+def _per_row(value: int | Sequence[int] | Tensor, rows: int, name: str) -> Tensor:
+    tensor = torch.as_tensor(value)
+    if tensor.ndim == 0:
+        tensor = tensor.expand(rows).clone()
+    if tensor.shape != (rows,):
+        raise ValueError(f"{name} must be a scalar or have one entry per generation ({rows}), "
+                         f"got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def collate(
+    generations: Sequence[Generation],
+    advantages: Tensor | Sequence[float],
+    pad_token_id: int,
+    *,
+    policy_version: int | Sequence[int] | Tensor = 0,
+    ref_logprobs: Sequence[Sequence[float]] | None = None,
+    rewards: Tensor | Sequence[float] | None = None,
+    pad_to_multiple_of: int = 1,
+) -> TrainBatch:
+    """Pack generations into a ``TrainBatch``.
+
+    ``advantages`` has one value per generation. ``policy_version`` is one version for all or one
+    per generation. ``ref_logprobs`` (optional) holds, per generation, the reference policy's
+    log-prob of each response token, like ``Generation.logprobs``. ``pad_to_multiple_of`` rounds the
+    number of columns up (the extra columns are right padding).
+    """
+    rows = len(generations)
+    if rows == 0:
+        raise ValueError("collate needs at least one generation")
+    for i, g in enumerate(generations):
+        if len(g.logprobs) != len(g.response_ids):
+            raise ValueError(f"generation {i} has {len(g.response_ids)} response tokens but "
+                             f"{len(g.logprobs)} log-probs; give one log-prob per response token")
+        if not g.prompt_ids:
+            raise ValueError(f"generation {i} has an empty prompt; every row needs a prompt token")
+    prompt_width = max(len(g.prompt_ids) for g in generations)
+    response_width = max(len(g.response_ids) for g in generations)
+    width = prompt_width + response_width
+    width += -width % max(1, pad_to_multiple_of)
+
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    ref = torch.zeros((rows, width), dtype=torch.float32) if ref_logprobs is not None else None
+    for i, g in enumerate(generations):
+        start = prompt_width - len(g.prompt_ids)
+        end = prompt_width + len(g.response_ids)
+        input_ids[i, start:prompt_width] = torch.tensor(g.prompt_ids, dtype=torch.long)
+        attention_mask[i, start:end] = 1
+        if g.response_ids:
+            input_ids[i, prompt_width:end] = torch.tensor(g.response_ids, dtype=torch.long)
+            response_mask[i, prompt_width:end] = 1.0
+            rollout_logprobs[i, prompt_width:end] = torch.tensor(g.logprobs, dtype=torch.float32)
+            if ref is not None:
+                ref[i, prompt_width:end] = torch.tensor(list(ref_logprobs[i]), dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    adv = torch.as_tensor(advantages, dtype=torch.float32).detach().cpu()
+    if adv.shape != (rows,):
+        raise ValueError(f"advantages must have one value per generation ({rows}), got shape {tuple(adv.shape)}")
+    versions = _per_row(policy_version, rows, "policy_version").to(torch.long)
+    rew = None
+    if rewards is not None:
+        rew = torch.as_tensor(rewards, dtype=torch.float32).detach().cpu()
+        if rew.shape != (rows,):
+            raise ValueError(f"rewards must have one value per generation ({rows}), got shape {tuple(rew.shape)}")
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=adv,
+        policy_version=versions,
+        ref_logprobs=ref,
+        rewards=rew,
+    )
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Token log-probs aligned to token positions, in float32.
+
+    ``out[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]`` for ``t >= 1``, and
+    ``out[b, 0] = 0``: ``logits[b, t]`` (a causal LM's output at column ``t``) predicts the token at
+    column ``t + 1``. Computed as ``gathered logit - logsumexp`` so no ``[B, T, V]`` log-softmax is
+    materialized beyond the float32 logits.
+    """
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} disagree")
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    picked = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)

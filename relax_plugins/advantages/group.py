@@ -1,0 +1,86 @@
+"""Group-relative advantage estimators (``grpo``, ``dr_grpo``, ``rloo``).
+
+Thin plugins over the pure functions of ``relax.algo.advantages`` (imported when computing, so this
+module stays importable without torch). ``rewards`` and ``group_ids`` are ``[B]`` tensors (or
+sequences); samples of one prompt share a group id. Each returns a ``[B]`` float tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def _tensors(rewards: Any, group_ids: Any) -> tuple[Any, Any]:
+    import torch
+
+    return (torch.as_tensor(rewards, dtype=torch.float32),
+            torch.as_tensor(group_ids, dtype=torch.long))
+
+
+class GRPOAdvantage:
+    """GRPO: ``(r_i - mean_g) / (std_g + eps)``, std the unbiased (n-1) estimator of the group."""
+
+    group_based: ClassVar[bool] = True
+
+    class Config(BaseModel):
+        """Options of the GRPO advantage."""
+
+        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+        eps: float = Field(1e-6, gt=0.0)
+        """Added to the group std before dividing."""
+        normalize_std: bool = True
+        """Divide by the group std; false gives Dr. GRPO's unscaled advantage."""
+
+    def __init__(self, config: GRPOAdvantage.Config, spec: Any) -> None:
+        self.config = config
+        self.spec = spec
+
+    def compute(self, rewards: Any, group_ids: Any) -> Any:
+        from relax.algo.advantages import grpo_advantages
+
+        rewards, group_ids = _tensors(rewards, group_ids)
+        return grpo_advantages(rewards, group_ids, normalize_std=self.config.normalize_std,
+                               eps=self.config.eps)
+
+
+class DrGRPOAdvantage:
+    """Dr. GRPO: ``r_i - mean_g`` (no std division)."""
+
+    group_based: ClassVar[bool] = True
+
+    class Config(BaseModel):
+        """Dr. GRPO has no options."""
+
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, config: DrGRPOAdvantage.Config, spec: Any) -> None:
+        self.config = config
+        self.spec = spec
+
+    def compute(self, rewards: Any, group_ids: Any) -> Any:
+        from relax.algo.advantages import dr_grpo_advantages
+
+        return dr_grpo_advantages(*_tensors(rewards, group_ids))
+
+
+class RLOOAdvantage:
+    """RLOO: ``r_i`` minus the mean reward of the other samples of its group."""
+
+    group_based: ClassVar[bool] = True
+
+    class Config(BaseModel):
+        """RLOO has no options."""
+
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, config: RLOOAdvantage.Config, spec: Any) -> None:
+        self.config = config
+        self.spec = spec
+
+    def compute(self, rewards: Any, group_ids: Any) -> Any:
+        from relax.algo.advantages import rloo_advantages
+
+        return rloo_advantages(*_tensors(rewards, group_ids))

@@ -1,0 +1,116 @@
+"""Data sets read from files: JSON lines / JSON (``jsonl``) and Parquet (``parquet``).
+
+Each row is a JSON object (a dict) holding at least the spec's ``data.prompt_key`` and, for rewards
+that compare against a label, ``data.label_key``. Rows are read once, when the data set is built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DatasetFileError(ValueError):
+    """A data file cannot be read; the message names the file (and line) and what to fix."""
+
+
+class _FileConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    path: str
+    """The file to read (relative paths are resolved against the working directory)."""
+    limit: int | None = Field(None, ge=1)
+    """Read at most this many rows (all when null)."""
+
+
+def _existing(path: str, suffixes: tuple[str, ...]) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DatasetFileError(f"data file {file} does not exist; give the path of a "
+                               f"{' or '.join(suffixes)} file")
+    return file
+
+
+class JsonlDataset:
+    """Rows of a ``.jsonl`` file (one JSON object per line; blank lines are skipped) or of a
+    ``.json`` file holding a list of objects."""
+
+    class Config(_FileConfig):
+        """Options of a JSON-lines / JSON data set."""
+
+    def __init__(self, config: JsonlDataset.Config) -> None:
+        self.config = config
+        self.path = _existing(config.path, (".jsonl", ".json"))
+        self.rows: list[dict[str, Any]] = self._read()
+
+    def _read(self) -> list[dict[str, Any]]:
+        text = self.path.read_text(encoding="utf-8")
+        limit = self.config.limit
+        if self.path.suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DatasetFileError(f"{self.path}:{exc.lineno}: invalid JSON ({exc.msg}); "
+                                       "fix the file, or use one JSON object per line (.jsonl)") from None
+            if not isinstance(data, list):
+                raise DatasetFileError(f"{self.path}: a .json data file must hold a list of objects, "
+                                       f"not a {type(data).__name__}")
+            for i, row in enumerate(data):
+                if not isinstance(row, dict):
+                    raise DatasetFileError(f"{self.path}: item {i} is a {type(row).__name__}, not an "
+                                           "object; every row must be a JSON object")
+            return data[:limit] if limit else data
+        rows: list[dict[str, Any]] = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetFileError(f"{self.path}:{lineno}: invalid JSON ({exc.msg} at column "
+                                       f"{exc.colno}); each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DatasetFileError(f"{self.path}:{lineno}: a {type(row).__name__}, not an object; "
+                                       "each line must be one JSON object")
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]
+
+
+class ParquetDataset:
+    """Rows of a ``.parquet`` file (needs the optional ``pyarrow`` package)."""
+
+    class Config(_FileConfig):
+        """Options of a Parquet data set."""
+
+    def __init__(self, config: ParquetDataset.Config) -> None:
+        self.config = config
+        self.path = _existing(config.path, (".parquet",))
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetFileError(f"reading {self.path} needs pyarrow, which is not installed; "
+                                   "run `pip install pyarrow`, or convert the file to .jsonl") from None
+        try:
+            table = pq.read_table(self.path)
+        except Exception as exc:  # pyarrow raises its own error types
+            raise DatasetFileError(f"{self.path}: not a readable Parquet file ({exc})") from None
+        if self.config.limit:
+            table = table.slice(0, self.config.limit)
+        self.rows: list[dict[str, Any]] = table.to_pylist()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]

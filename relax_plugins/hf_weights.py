@@ -1,0 +1,45 @@
+"""Moving whole Hugging Face ``state_dict``s in and out of a model (used by the hf and torch backends).
+
+Imported inside the backends' methods (it needs torch).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def shared_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of state-dict keys that share one storage (a tied ``lm_head.weight`` and the input
+    embedding), each of two or more keys."""
+    groups: dict[tuple[int, tuple[int, ...]], list[str]] = defaultdict(list)
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        groups[(tensor.data_ptr(), tuple(tensor.shape))].append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
+def load_state(model: torch.nn.Module, weights: dict[str, Any]) -> None:
+    """Copy ``weights`` into ``model`` in place, checking that every tensor is accounted for.
+
+    A key may be missing only if another key sharing its storage is given (tied embeddings saved
+    once). Unexpected keys and missing untied keys are errors naming a few of them.
+    """
+    with torch.no_grad():
+        result = model.load_state_dict(weights, strict=False)
+    missing = set(result.missing_keys)
+    for group in shared_groups(model):
+        if any(key not in missing for key in group):
+            missing -= set(group)
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(result.unexpected_keys)[:5]}; push a full state_dict of the same architecture"
+        )
+
+
+def state_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full ``state_dict`` (tied keys included, e.g. ``lm_head.weight``) as detached clones,
+    so later optimizer steps do not change what was handed out."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}

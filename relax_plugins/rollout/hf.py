@@ -1,0 +1,165 @@
+"""``hf``: a rollout backend on plain Hugging Face transformers ``generate`` (CPU or one GPU).
+
+The always-available rollout: no engine to start, one batched ``generate`` call for all prompts x
+samples. Behaviour log-probs are those of the distribution each token was actually sampled from:
+``log softmax`` of the logits after temperature scaling and top-k / top-p truncation (the
+``scores`` of ``generate``). With temperature 1, top_p 1 and top_k 0 that is the model's own
+distribution, which the trainer reproduces to float32 round-off. With temperature T != 1 it is
+``softmax(logits / T)``, which the ``torch`` trainer also uses (it divides by the rollout's
+temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy decoding
+(temperature 0) reports the log-probs of the unscaled model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.contracts import BackendContext, Generation
+
+
+class HFRollout:
+    """Samples responses with ``transformers``; seeded, so the same weights, prompts and seed give
+    the same generations."""
+
+    #: Inputs the backend accepts through the model's own Hugging Face processor. Only text is
+    #: fed by the runtime today; it refuses other modalities at launch (see relax.runtime.launch).
+    modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
+    parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
+
+    class Config(BaseModel):
+        """Options of the Hugging Face rollout backend."""
+
+        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+        max_batch_size: int | None = Field(None, ge=1)
+        """Sequences per ``generate`` call; null generates all prompts x samples in one call."""
+        num_threads: int | None = Field(None, ge=1)
+        """torch intra-op threads of this process; null leaves torch's setting alone."""
+
+    def __init__(self, config: HFRollout.Config, context: BackendContext) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.context = context
+        self.device = torch.device(context.device)
+        self.max_prompt_tokens = int(context.spec.data.max_prompt_tokens)
+        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {context.model_path} has no eos token; responses "
+                             "could never stop")
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        dtype = getattr(torch, context.spec.model.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
+        self.model.to(self.device).eval()
+        # A response ends at the tokenizer's eos or at any end token of the model's generation
+        # config (chat models often have several, e.g. <|im_end|> and <|endoftext|>).
+        declared = self.model.generation_config.eos_token_id
+        declared = declared if isinstance(declared, list) else [declared] if declared is not None else []
+        self.stop_token_ids = [self.eos_token_id] + [int(t) for t in declared if int(t) != self.eos_token_id]
+        self.version = 0
+        """The policy version of the weights held (0: the initial weights)."""
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt, cut from the left to ``data.max_prompt_tokens``."""
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
+        return ids[-self.max_prompt_tokens:]
+
+    def generate(self, prompts: list[str], n: int, sampling: Any, seed: int) -> list[Generation]:
+        """``n`` samples of each prompt, prompt-major (``prompt_index`` = index into ``prompts``)."""
+        import torch
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        encoded = [self.encode_prompt(p) for p in prompts]
+        rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
+        size = self.config.max_batch_size or max(1, len(rows))
+        out: list[Generation] = []
+        for part, start in enumerate(range(0, len(rows), size)):
+            chunk = rows[start:start + size]
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed + part)
+                if self.device.type == "cuda":
+                    torch.cuda.manual_seed(seed + part)
+                out += self._generate_rows(chunk, sampling)
+        return out
+
+    def _generation_config(self, sampling: Any) -> Any:
+        from transformers import GenerationConfig
+
+        common = dict(
+            max_new_tokens=int(sampling.max_new_tokens),
+            eos_token_id=list(self.stop_token_ids),
+            pad_token_id=self.pad_token_id,
+            bos_token_id=None,
+            num_beams=1,
+            use_cache=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        if sampling.temperature <= 0:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k),  # 0 keeps every token (transformers' own default is 50)
+            **common,
+        )
+
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any) -> list[Generation]:
+        import torch
+
+        width = max(len(ids) for _, ids in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (_, ids) in enumerate(rows):
+            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids):] = 1
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=self._generation_config(sampling),
+        )
+        new_tokens = result.sequences[:, width:].cpu()
+        scores = torch.stack(result.scores, dim=1).float()  # [rows, new, vocab], as sampled from
+        logprobs = torch.log_softmax(scores, dim=-1).gather(
+            -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        generations = []
+        stops = set(self.stop_token_ids)
+        for i, (prompt_index, ids) in enumerate(rows):
+            tokens = new_tokens[i].tolist()
+            end = next((j for j, token in enumerate(tokens) if token in stops), None)
+            finished = end is not None
+            length = end + 1 if finished else len(tokens)
+            response = tokens[:length]
+            text_ids = response[:-1] if finished else response
+            generations.append(Generation(
+                prompt_index=prompt_index,
+                prompt_ids=list(ids),
+                response_ids=response,
+                logprobs=logprobs[i, :length].tolist(),
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                finished=finished,
+            ))
+        return generations
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def load_weights(self, weights: dict[str, Any], version: int) -> None:
+        """Replace the weights in place with a full HF ``state_dict`` (a tied ``lm_head.weight``
+        may be absent) and record their policy ``version``."""
+        from relax_plugins.hf_weights import load_state
+
+        load_state(self.model, weights)
+        self.version = int(version)

@@ -1,0 +1,251 @@
+"""The hf rollout and the torch trainer on the same tiny model: log-probs agree, seeds reproduce,
+training moves the weights, weight sync restores agreement, checkpoints round-trip exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relax.algo.batch import collate
+from relax.contracts import BackendContext
+from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
+from relax.registry import get_registry
+
+#: Prompts of different token lengths, so rows are left-padded.
+PROMPTS = ["3+4=", "12+7=", "5=", "9+9+1="]
+N = 3
+
+
+def _rollout(spec, path, **options):
+    registry = get_registry()
+    return registry.load("rollout", "hf")(registry.build_config("rollout", "hf", options),
+                                          BackendContext(spec=spec, role="rollout", model_path=path))
+
+
+def _trainer(spec, path, role="actor", **options):
+    registry = get_registry()
+    loss_cls = registry.load("losses", "ppo_clip")
+    loss = loss_cls(loss_cls.Config(), spec)
+    return registry.load("trainer", "torch")(registry.build_config("trainer", "torch", options),
+                                             BackendContext(spec=spec, role=role, model_path=path, loss=loss))
+
+
+@pytest.fixture(scope="module")
+def spec(make_spec):
+    return make_spec()
+
+
+@pytest.fixture(scope="module")
+def rollout(spec, tiny_model_path):
+    return _rollout(spec, tiny_model_path)
+
+
+def _batch(gens, pad_id, advantages=None):
+    if advantages is None:
+        advantages = torch.linspace(-1.0, 1.0, len(gens))
+    return collate(gens, advantages, pad_id, rewards=[0.0] * len(gens))
+
+
+def _max_diff(batch, logprobs):
+    mask = batch.response_mask.bool()
+    return (logprobs[mask] - batch.rollout_logprobs[mask]).abs().max().item()
+
+
+def test_generate_shapes_and_stops(rollout, spec):
+    gens = rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=0)
+    assert len(gens) == len(PROMPTS) * N
+    assert [g.prompt_index for g in gens] == [i for i in range(len(PROMPTS)) for _ in range(N)]
+    eos = rollout.eos_token_id
+    for g in gens:
+        assert g.prompt_ids == rollout.encode_prompt(PROMPTS[g.prompt_index])
+        assert len(g.logprobs) == len(g.response_ids) and all(lp <= 0 for lp in g.logprobs)
+        assert 1 <= len(g.response_ids) <= spec.roles.rollout.sampling.max_new_tokens
+        assert eos not in g.response_ids[:-1]
+        assert g.finished == (g.response_ids[-1] == eos)
+        text_ids = g.response_ids[:-1] if g.finished else g.response_ids
+        assert g.text == rollout.tokenizer.decode(text_ids, skip_special_tokens=True)
+
+
+def test_same_seed_same_generations(rollout, spec):
+    sampling = spec.roles.rollout.sampling
+    first = rollout.generate(PROMPTS, N, sampling, seed=11)
+    again = rollout.generate(PROMPTS, N, sampling, seed=11)
+    other = rollout.generate(PROMPTS, N, sampling, seed=12)
+    assert [(g.response_ids, g.logprobs) for g in first] == [(g.response_ids, g.logprobs) for g in again]
+    assert [g.response_ids for g in first] != [g.response_ids for g in other]
+
+
+def test_batched_and_split_generation_agree_on_logprobs(spec, tiny_model_path):
+    small = _rollout(spec, tiny_model_path, max_batch_size=2)
+    gens = small.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=5)
+    trainer = _trainer(spec, tiny_model_path)
+    batch = _batch(gens, small.pad_token_id)
+    assert _max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+
+
+def test_rollout_and_trainer_logprobs_agree_then_sync(rollout, spec, tiny_model_path):
+    trainer = _trainer(spec, tiny_model_path)
+    sampling = spec.roles.rollout.sampling
+    gens = rollout.generate(PROMPTS, N, sampling, seed=1)
+    batch = _batch(gens, rollout.pad_token_id)
+    assert _max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+
+    before = {k: v.clone() for k, v in trainer.weights().items()}
+    metrics = trainer.train_step(batch)
+    for key in ("loss", "grad_norm", "lr", "clip_fraction", "approx_kl", "ratio_mean", "tis_weight_mean"):
+        assert key in metrics
+    assert metrics["lr"] == pytest.approx(spec.roles.actor.optimizer.lr)
+    after = trainer.weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert _max_diff(batch, trainer.compute_logprobs(batch)) > 1e-4  # the policy moved
+
+    rollout.load_weights(after, version=1)
+    assert rollout.version == 1
+    fresh = rollout.generate(PROMPTS, N, sampling, seed=2)
+    fresh_batch = _batch(fresh, rollout.pad_token_id)
+    assert _max_diff(fresh_batch, trainer.compute_logprobs(fresh_batch)) < 1e-5
+
+
+def test_temperature_scaled_logprobs_agree(make_spec, tiny_model_path):
+    spec = make_spec({"roles.rollout.sampling.temperature": 0.7})
+    rollout = _rollout(spec, tiny_model_path)
+    trainer = _trainer(spec, tiny_model_path)
+    assert trainer.temperature == 0.7
+    gens = rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=3)
+    batch = _batch(gens, rollout.pad_token_id)
+    assert _max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+
+
+def test_weights_are_full_and_detached(spec, tiny_model_path):
+    trainer = _trainer(spec, tiny_model_path)
+    weights = trainer.weights()
+    assert "lm_head.weight" in weights and "model.embed_tokens.weight" in weights
+    weights["lm_head.weight"].zero_()
+    assert trainer.model.lm_head.weight.abs().sum() > 0
+
+
+def test_load_weights_rejects_a_mismatch(rollout):
+    with pytest.raises(ValueError, match="do not match"):
+        rollout.load_weights({"not.a.weight": torch.zeros(1)}, version=5)
+
+
+def test_micro_batching_gives_the_same_update(make_spec, rollout, tiny_model_path):
+    gens = rollout.generate(PROMPTS, N, rollout_sampling(make_spec), seed=4)
+    batch = _batch(gens, rollout.pad_token_id)
+    results = []
+    for size in (2, 64):  # SGD: the update is the gradient itself (Adam's first step is its sign)
+        trainer = _trainer(make_spec({"roles.actor.micro_batch_size": size,
+                                      "roles.actor.optimizer": {"name": "sgd", "lr": 1.0}}), tiny_model_path)
+        metrics = trainer.train_step(batch)
+        results.append((metrics, trainer.weights()))
+    (m_small, w_small), (m_big, w_big) = results
+    initial = _trainer(make_spec(), tiny_model_path).weights()
+    assert max((w_small[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+    assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
+    assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-4)
+    for key in w_small:
+        assert torch.allclose(w_small[key], w_big[key], atol=1e-6), key
+
+
+def rollout_sampling(make_spec):
+    return make_spec().roles.rollout.sampling
+
+
+def test_updates_per_step_takes_several_optimizer_steps(make_spec, rollout, tiny_model_path):
+    gens = rollout.generate(PROMPTS, N, rollout_sampling(make_spec), seed=6)
+    batch = _batch(gens, rollout.pad_token_id)
+    trainer = _trainer(make_spec({"algorithm.updates_per_step": 3}), tiny_model_path)
+    metrics = trainer.train_step(batch)
+    assert metrics["updates"] == 3
+    assert trainer.optimizer.state[trainer.model.lm_head.weight]["step"].item() == 3
+
+
+def test_save_and_load_round_trip_exactly(spec, rollout, tiny_model_path, tmp_path):
+    sampling = spec.roles.rollout.sampling
+    first = _batch(rollout.generate(PROMPTS, N, sampling, seed=7), rollout.pad_token_id)
+    second = _batch(rollout.generate(PROMPTS, N, sampling, seed=8), rollout.pad_token_id)
+    trainer = _trainer(spec, tiny_model_path)
+    trainer.train_step(first)
+    saved = trainer.weights()
+    trainer.save(str(tmp_path / "ckpt"))
+    trainer.save(str(tmp_path / "ckpt"))  # overwriting an existing checkpoint works
+    trainer.train_step(second)
+    continued = trainer.weights()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging leftovers
+
+    restored = _trainer(spec, tiny_model_path)
+    restored.load(str(tmp_path / "ckpt"))
+    assert restored.version == 1
+    for key, value in restored.weights().items():
+        assert torch.equal(value, saved[key]), key
+    restored.train_step(second)
+    for key, value in restored.weights().items():
+        assert torch.equal(value, continued[key]), key
+
+
+def test_forward_only_role_cannot_train(make_spec, rollout, tiny_model_path):
+    spec = make_spec({"roles.reference": {"backend": "torch"}, "algorithm.kl_coef": 0.1})
+    reference = _trainer(spec, tiny_model_path, role="reference")
+    batch = _batch(rollout.generate(PROMPTS[:1], 2, spec.roles.rollout.sampling, seed=9), rollout.pad_token_id)
+    assert reference.compute_logprobs(batch).shape == batch.input_ids.shape
+    with pytest.raises(RuntimeError, match="forward-only"):
+        reference.train_step(batch)
+
+
+#: SGD, so the update is proportional to the gradient (Adam's first step is sign(gradient), which
+#: float round-off can flip for gradients near zero).
+DP_SPEC = {"name": "dp", "tracing": {"exporter": "none"}, "algorithm": {"updates_per_step": 2},
+           "roles": {"actor": {"micro_batch_size": 2, "optimizer": {"name": "sgd", "lr": 1.0}}}}
+
+
+def _dp_rank(rank: int, world: int, port: int, model_path: str, batch, out_file: str) -> None:
+    """One data-parallel rank (run in a forked child, so torch and transformers are already loaded)."""
+    import os
+
+    import torch.distributed as dist
+
+    from relax.spec import validate_spec as validate
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = _trainer(validate({**DP_SPEC, "model": {"path": model_path}}), model_path)
+        # rank r takes rows r, r + world, ... and splits them in two, one half per update
+        metrics = trainer.train_step(batch.select([i for i in range(batch.batch_size) if i % world == rank]))
+        if rank == 0:
+            torch.save({"weights": trainer.weights(), "metrics": metrics}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_take_the_whole_batch_update(rollout, tiny_model_path, tmp_path):
+    import multiprocessing
+    import socket
+
+    from relax.spec import validate_spec as validate
+
+    spec = validate({**DP_SPEC, "model": {"path": tiny_model_path}})
+    gens = rollout.generate(PROMPTS, 4, spec.roles.rollout.sampling, seed=10)
+    batch = _batch(gens, rollout.pad_token_id)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    fork = multiprocessing.get_context("fork")
+    out = str(tmp_path / "out.pt")
+    ranks = [fork.Process(target=_dp_rank, args=(r, 2, port, tiny_model_path, batch, out)) for r in range(2)]
+    for proc in ranks:
+        proc.start()
+    for proc in ranks:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in ranks] == [0, 0]
+    parallel = torch.load(out, weights_only=False)
+
+    # per update, the single process sees the rows the two ranks saw together
+    single = _trainer(spec, tiny_model_path)
+    metrics = single.train_step(batch)
+    assert parallel["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+    assert parallel["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+    initial = _trainer(spec, tiny_model_path).weights()
+    for key, value in single.weights().items():
+        assert torch.allclose(parallel["weights"][key], value, atol=1e-6), key
+    assert max((single.weights()[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
