@@ -93,16 +93,25 @@ def output_path(spec: RunSpec) -> Path:
 
 
 def resume_point(output_dir: Path, resume: bool) -> tuple[int, Path | None]:
+    """Where a run starts: its newest checkpoint with ``--resume``, step 0 otherwise."""
     found = latest_checkpoint(output_dir)
     if resume:
         if found is None:
             raise LaunchError(f"--resume: no checkpoint under {output_dir / 'checkpoints'}; run without --resume "
                               "to start fresh")
         return found
-    if found is not None:
-        raise LaunchError(f"{output_dir} already holds a run (checkpoint at step {found[0]}); pass --resume to "
-                          "continue it, or set another name or trainer.output_dir")
     return 0, None
+
+
+def keep_previous_run(output_dir: Path) -> Path | None:
+    """A fresh run never overwrites an earlier one: its folder is renamed to ``<name>.<n>`` first."""
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return None
+    n = 1
+    while (kept := output_dir.with_name(f"{output_dir.name}.{n}")).exists():
+        n += 1
+    output_dir.rename(kept)
+    return kept
 
 
 class Controller:
@@ -214,6 +223,8 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     if start_step >= spec.trainer.steps:
         print(f"relax run: the checkpoint is at step {start_step}, trainer.steps is {spec.trainer.steps}: nothing to do")
         return EXIT_OK
+    if resume_from is None and (kept := keep_previous_run(output_dir)) is not None:
+        print(f"relax run: {output_dir} held an earlier run; it is kept as {kept}", file=sys.stderr)
     from relax.runtime.components import materialize_model
 
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it

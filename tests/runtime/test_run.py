@@ -116,50 +116,24 @@ def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "gpu").exists()  # stopped before creating anything
 
 
-def test_a_finished_run_is_not_overwritten_and_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
-    spec, plan, base = tiny(tmp_path, "kept")
-    checkpoint = tmp_path / "kept" / "checkpoints" / "step-2"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": 2}))
-    assert run_spec(spec, plan, base_dir=base) == 1
-    assert "already holds a run" in capsys.readouterr().err and checkpoint.exists()
-    other, plan, base = tiny(tmp_path, "empty")
-    assert run_spec(other, plan, base_dir=base, resume=True) == 1
+def test_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
+    spec, plan, base = tiny(tmp_path, "empty")
+    assert run_spec(spec, plan, base_dir=base, resume=True) == 1
     assert "no checkpoint" in capsys.readouterr().err
 
 
-def test_one_trace_follows_every_step_and_links_train_steps_to_their_rollouts(mode_runs) -> None:
-    from relax.telemetry import read_spans
+def test_a_fresh_run_keeps_the_earlier_run_in_its_folder(tmp_path: Path) -> None:
+    from relax.runtime.launch import keep_previous_run
 
-    spans = read_spans(mode_runs[("separate", 1)][3] / "traces.jsonl")
-    assert len({s["trace_id"] for s in spans}) == 1
-    by_id = {s["span_id"]: s for s in spans}
-    roots = [s for s in spans if s["name"] == "relax.run"]
-    steps = {s["attributes"]["relax.step"]: s for s in spans if s["name"] == "relax.step"}
-    assert len(roots) == 1 and sorted(steps) == [0, 1, 2, 3]
-    assert all(s["parent_id"] == roots[0]["span_id"] for s in steps.values())
-    work = [s for s in spans if s["name"] in ("relax.rollout.batch", "relax.reward.score",
-                                              "relax.advantage.compute", "relax.actor.train_step")]
-    assert len(work) == 16
-    for span in work:  # every role's unit of work sits under the step it worked on
-        assert by_id[span["parent_id"]] is steps[span["attributes"]["relax.step"]]
-    rollout_step = {s["span_id"]: s["attributes"]["relax.step"]
-                    for s in spans if s["name"] == "relax.rollout.batch"}
-    linked = {}
-    for span in (s for s in spans if s["name"] == "relax.actor.train_step"):
-        linked[span["attributes"]["relax.step"]] = [rollout_step[link["span_id"]] for link in span["links"]]
-    assert all(linked[t] == [t] for t in linked)  # each step trains its own batch...
-    staleness = {s["attributes"]["relax.step"]: s["attributes"]["relax.staleness"]
-                 for s in spans if s["name"] == "relax.actor.train_step"}
-    assert max(staleness.values()) == 1  # ...made by the previous policy version
-
-
-@pytest.mark.parametrize(("key", "overlaps"), [(("colocate", 0), False), (("separate", 1), True)])
-def test_relax_trace_shows_overlap_only_when_roles_run_apart(mode_runs, key, overlaps: bool) -> None:
-    from relax.telemetry.analysis import load_spans, summarize_traces
-
-    summary = summarize_traces(load_spans(mode_runs[key][3]))[0]
-    assert (summary.overlap_s > 0) is overlaps
+    folder = tmp_path / "run"
+    assert keep_previous_run(folder) is None
+    (folder / "checkpoints" / "step-2").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("{}\n")
+    assert keep_previous_run(folder) == tmp_path / "run.1" and not folder.exists()
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("{}\n")
+    assert keep_previous_run(folder) == tmp_path / "run.2"
+    assert (tmp_path / "run.1" / "checkpoints" / "step-2").is_dir()
 
 
 def test_the_tiny_preset_learns_the_task(local_ray, tmp_path: Path) -> None:
