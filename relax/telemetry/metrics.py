@@ -21,7 +21,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 
 import relax
-from relax.telemetry.tracing import OtlpUnavailable, otlp_http_url, run_resource
+from relax.telemetry.tracing import otlp_exporter, run_resource
 
 if TYPE_CHECKING:
     from relax.spec.models import RunSpec, TracingSpec
@@ -114,13 +114,4 @@ class StepMetricsExporter:
 
 def metric_exporter(tracing: TracingSpec) -> Any:
     """The OTLP metric exporter for ``tracing`` (same endpoint and protocol as the spans)."""
-    try:
-        if tracing.protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
-
-            return GrpcExporter(endpoint=tracing.endpoint)
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
-    except ImportError as exc:
-        raise OtlpUnavailable(f"tracing.exporter otlp needs the OTLP exporter ({exc.name} is missing): "
-                              "pip install 'relax-rl[otlp]', or set tracing.exporter to jsonl") from None
-    return HttpExporter(endpoint=otlp_http_url(tracing.endpoint, "metrics"))
+    return otlp_exporter(tracing, "metrics")

@@ -25,6 +25,8 @@ Worker::
 
 from __future__ import annotations
 
+import importlib
+
 import json
 import os
 import socket
@@ -408,16 +410,23 @@ def span_exporter(tracing: TracingSpec, output_dir: Path) -> SpanExporter | None
         return ConsoleSpanExporter(out=sys.stdout, formatter=_console_line)
     if tracing.exporter == "jsonl":
         return JsonlSpanExporter(traces_path(tracing, output_dir))
-    try:
-        if tracing.protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    return otlp_exporter(tracing, "traces")
 
-            return GrpcExporter(endpoint=tracing.endpoint)
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+_OTLP_CLASSES = {"traces": ("trace_exporter", "OTLPSpanExporter"), "metrics": ("metric_exporter", "OTLPMetricExporter")}
+
+
+def otlp_exporter(tracing: TracingSpec, signal: str) -> Any:
+    """The OTLP exporter of ``signal`` (traces or metrics) over ``tracing.protocol``, imported only now
+    because the OTLP packages are an optional extra."""
+    module, name = _OTLP_CLASSES[signal]
+    try:
+        exporters = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{tracing.protocol}.{module}")
     except ImportError as exc:
         raise OtlpUnavailable(f"tracing.exporter otlp needs the OTLP exporter ({exc.name} is missing): "
                               "pip install 'relax-rl[otlp]', or set tracing.exporter to jsonl") from None
-    return HttpExporter(endpoint=otlp_http_url(tracing.endpoint, "traces"))
+    endpoint = tracing.endpoint if tracing.protocol == "grpc" else otlp_http_url(tracing.endpoint, signal)
+    return getattr(exporters, name)(endpoint=endpoint)
 
 
 def _console_line(span: ReadableSpan) -> str:
