@@ -125,6 +125,22 @@ def _cpu_workers(pool: PoolBuilder, name: str, replicas: int, cpus: float) -> No
         pool.instances.append(RoleInstance(role=name, rank=rank, pool=pool.name, bundles=[index], node=0))
 
 
+def _score_in_rollout(spec: RunSpec, builders: list[PoolBuilder]) -> None:
+    """``roles.reward.host: rollout``: a scorer rides on each rollout engine's first bundle, and
+    outside hybrid mode the advantage estimator rides with the first one."""
+    pool = next(b for b in builders if b.name in ("rollout", "colocate"))
+    engines = [i for i in pool.instances if i.role == "rollout"]
+    pool.roles.append("reward")
+    for engine in engines:
+        pool.instances.append(RoleInstance(role="reward", rank=engine.rank, pool=pool.name,
+                                           bundles=engine.bundles[:1], node=engine.node))
+    if spec.placement.mode != "hybrid":
+        pool.roles.append("advantage")
+        first = engines[0]
+        pool.instances.append(RoleInstance(role="advantage", rank=0, pool=pool.name,
+                                           bundles=first.bundles[:1], node=first.node))
+
+
 def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
     """The pools and role instances of a validated spec."""
     roles, mode = spec.roles, spec.placement.mode
@@ -170,12 +186,12 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
                 _trained_instances(name, role, actor_pool, actor_bundles)
             else:
                 trained_pool(name, role)
-    if mode == "hybrid":
+    if roles.reward.host == "rollout":
+        _score_in_rollout(spec, builders)
+    elif mode == "hybrid":
         reward_pool = PoolBuilder(name="reward")
         _cpu_workers(reward_pool, "reward", roles.reward.replicas, roles.reward.cpus)
         builders.append(reward_pool)
-        actor_pool = next(b for b in builders if b.name == "actor")
-        _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
     else:
         # Scoring and advantages are cheap CPU work on the same rows: one pool, and the first
         # advantage worker shares the first reward bundle, so the runtime can hand rewards to it
@@ -188,6 +204,9 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
             scoring.instances.append(RoleInstance(role="advantage", rank=rank, pool=scoring.name,
                                                   bundles=[index], node=0))
         builders.append(scoring)
+    if mode == "hybrid":
+        actor_pool = next(b for b in builders if b.name == "actor")
+        _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
     pools = [b.build(single_node) for b in builders]
     instances = [i for b in builders for i in b.instances]
     return pools, instances

@@ -74,17 +74,22 @@ class Host:
 
 
 def plan_hosts(plan: Plan) -> list[Host]:
-    """Which roles share a worker process: colocate joins rollout and actor; reward and advantage
-    share one when the plan puts them on one bundle; every other role stands alone."""
+    """One worker process per planned bundle: roles whose first instances share a bundle share a
+    process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
+    advantage), and hand data to each other in memory."""
     cores = os.cpu_count() or 2
-    first = {role: plan.instances_of(role)[0] for role in ROLES}
-    model_threads = max(1, cores // 2)
-    hosts = ([Host(["rollout", "actor"], first["actor"], model_threads)] if plan.mode == "colocate" else
-             [Host(["rollout"], first["rollout"], model_threads), Host(["actor"], first["actor"], model_threads)])
-    reward, advantage = first["reward"], first["advantage"]
-    if (reward.pool, reward.bundles) == (advantage.pool, advantage.bundles):  # planned to share a bundle
-        return hosts + [Host(["reward", "advantage"], reward, 1)]
-    return hosts + [Host(["reward"], reward, 1), Host(["advantage"], advantage, 1)]
+    by_bundle: dict[tuple[str, int], list[RoleInstance]] = {}
+    for role in ROLES:
+        first = plan.instances_of(role)[0]
+        by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
+    model_processes = sum(1 for group in by_bundle.values() if {"rollout", "actor"} & {i.role for i in group})
+    hosts = []
+    for group in by_bundle.values():
+        roles = [i.role for i in group]
+        has_model = bool({"rollout", "actor"} & set(roles))
+        anchor = next((i for i in group if i.role == "actor"), group[0])
+        hosts.append(Host(roles, anchor, max(1, cores // model_processes) if has_model else 1))
+    return hosts
 
 
 def output_path(spec: RunSpec) -> Path:

@@ -145,6 +145,10 @@ class RolloutLoop:
                                        spec.data.shuffle)
         pad = self.backend.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.backend.tokenizer.eos_token_id)
+        self.scorer: RewardLoop | None = None
+        """The reward loop riding in this worker (``roles.reward.host: rollout``), if any."""
+        self.estimator: AdvantageLoop | None = None
+        """The advantage loop riding in this worker, if any."""
 
     def step(self, step: int) -> dict[str, Any]:
         spec, env = self.env.spec, self.env
@@ -170,11 +174,18 @@ class RolloutLoop:
             carrier = span.carrier()  # each row carries the context of the batch that made it
             meta = [{"policy_version": held, "sample_id": f"{step}:{rows[g.prompt_index]['index']}:{i % n}",
                      "group": g.prompt_index, "trace": carrier} for i, g in enumerate(gens)]
-            moved = env.bus.bytes_moved
-            env.bus.put(partition_of(step), columns, meta)
             tokens = sum(len(g.response_ids) for g in gens)
-            span.set(samples=len(gens), tokens=tokens, staleness=step - held, bus_bytes=env.bus.bytes_moved - moved)
-        env.state.announce.remote(partition_of(step), "response")  # ordered after the put; no need to wait
+            span.set(samples=len(gens), tokens=tokens, staleness=step - held)
+        last = "response"
+        if self.scorer is not None:  # score (and estimate) before the one put of the step
+            columns["rewards"] = self.scorer.score(step, columns, meta)
+            last = "rewards"
+            if self.estimator is not None:
+                groups = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
+                columns["advantages"] = self.estimator.estimate(step, columns["rewards"], groups)
+                last = "advantages"
+        env.bus.put(partition_of(step), columns, meta)
+        env.state.announce.remote(partition_of(step), last)  # ordered after the put; no need to wait
         t4 = time.perf_counter()
         return {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": t3 - t2, "bus_s": t4 - t3,
                 "response_tokens": tokens, "policy_version": held,
@@ -182,10 +193,11 @@ class RolloutLoop:
 
 
 class RewardLoop:
-    """Scores a step's responses with every reward plugin and adds the weighted sum as ``rewards``.
+    """Scores a step's responses with every reward plugin: the weighted sum becomes ``rewards``.
 
-    When an advantage loop runs in the same worker (``handoff``), the scored rows go to it in
-    memory and it writes both columns in one bus call.
+    Riding in a rollout worker it scores each batch before the batch is put on the bus; otherwise it
+    takes responses from the bus, and hands the scored rows to an advantage loop in the same worker
+    (``handoff``) or writes ``rewards`` back itself.
     """
 
     role = "reward"
@@ -194,60 +206,82 @@ class RewardLoop:
         self.env = env
         self.rewards = build_rewards(env.spec)
         self.handoff: AdvantageLoop | None = None
+        self._stats: dict[int, dict[str, Any]] = {}
 
-    def step(self, step: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        batch = self.env.take(step, "response", ("prompt", "response", "label"), "reward")
-        t1 = time.perf_counter()
-        samples = [RewardSample(prompt=p, response=r, label=lab, metadata={"sample_id": m.sample_id})
-                   for p, r, lab, m in zip(batch["prompt"], batch["response"], batch["label"], batch.meta)]
+    def score(self, step: int, columns: dict[str, Any], meta: list[Any]) -> torch.Tensor:
+        """The weighted reward of every row (``prompt``/``response``/``label`` columns)."""
+        started = time.perf_counter()
+        ids = [m["sample_id"] if isinstance(m, dict) else m.sample_id for m in meta]
+        samples = [RewardSample(prompt=p, response=r, label=lab, metadata={"sample_id": i})
+                   for p, r, lab, i in zip(columns["prompt"], columns["response"], columns["label"], ids)]
         total = torch.zeros(len(samples))
-        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=batch.meta):
+        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta):
             for plugin, weight in self.rewards:
                 scores = plugin.score(samples)
                 if len(scores) != len(samples):
                     raise ValueError(f"reward plugin {type(plugin).__name__} returned {len(scores)} scores for "
                                      f"{len(samples)} samples; it must return one per sample")
                 total += weight * torch.tensor([float(s) for s in scores])
+        self._stats[step] = {"reward_s": time.perf_counter() - started, "bus_s": 0.0,
+                             "reward_mean": float(total.mean())}
+        return total
+
+    def step(self, step: int) -> dict[str, Any]:
+        if step in self._stats:  # already scored in memory by the rollout this loop rides with
+            return self._stats.pop(step)
+        t0 = time.perf_counter()
+        batch = self.env.take(step, "response", ("prompt", "response", "label"), "reward")
+        t1 = time.perf_counter()
+        total = self.score(step, batch.fields, batch.meta)
         t2 = time.perf_counter()
         if self.handoff is not None:
             self.handoff.accept(step, batch, total)
         else:
             self.env.bus.write_fields(batch, {"rewards": total})
             self.env.state.announce.remote(partition_of(step), "rewards")
-        return {"reward_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0,
-                "reward_mean": float(total.mean())}
+        stats = self._stats.pop(step)
+        stats["bus_s"] = time.perf_counter() - t2 + t1 - t0
+        return stats
 
 
 class AdvantageLoop:
-    """Turns a step's rewards into advantages (group ids come from the rows' metadata)."""
+    """Turns a step's rewards into advantages (a row's group is the prompt it answers)."""
 
     role = "advantage"
 
     def __init__(self, env: RoleEnv) -> None:
         self.env = env
         self.estimator = build_advantage(env.spec)
-        self._handed: dict[int, tuple[BusBatch, torch.Tensor]] = {}
+        self._stats: dict[int, dict[str, Any]] = {}
+
+    def estimate(self, step: int, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        with self.env.telemetry.span(ADVANTAGE_COMPUTE, step=step, samples=len(rewards)):
+            advantages = self.estimator.compute(rewards.float(), groups).float()
+        self._stats[step] = {"advantage_s": time.perf_counter() - started, "bus_s": 0.0}
+        return advantages
 
     def accept(self, step: int, batch: BusBatch, rewards: torch.Tensor) -> None:
-        """Rows scored by a reward loop in this process, not yet written to the bus."""
-        self._handed[step] = (batch, rewards)
+        """Rows a reward loop in this worker took from the bus and scored: estimate, write both."""
+        groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
+        advantages = self.estimate(step, rewards, groups)
+        self.env.bus.write_fields(batch, {"rewards": rewards, "advantages": advantages})
+        self.env.state.announce.remote(partition_of(step), "advantages")
 
     def step(self, step: int) -> dict[str, Any]:
+        if step in self._stats:  # done in memory by a co-hosted rollout or reward loop
+            return self._stats.pop(step)
         t0 = time.perf_counter()
-        if step in self._handed:
-            batch, rewards = self._handed.pop(step)
-        else:
-            batch = self.env.take(step, "rewards", ("rewards",), "advantage")
-            rewards = batch["rewards"].float()
+        batch = self.env.take(step, "rewards", ("rewards",), "advantage")
         t1 = time.perf_counter()
         groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
-        with self.env.telemetry.span(ADVANTAGE_COMPUTE, step=step, samples=len(batch.meta)):
-            advantages = self.estimator.compute(rewards, groups)
+        advantages = self.estimate(step, batch["rewards"].float(), groups)
         t2 = time.perf_counter()
-        self.env.bus.write_fields(batch, {"rewards": rewards, "advantages": advantages.float()})
+        self.env.bus.write_fields(batch, {"advantages": advantages})
         self.env.state.announce.remote(partition_of(step), "advantages")
-        return {"advantage_s": t2 - t1, "bus_s": time.perf_counter() - t2 + t1 - t0}
+        stats = self._stats.pop(step)
+        stats["bus_s"] = time.perf_counter() - t2 + t1 - t0
+        return stats
 
 
 class TrainLoop:

@@ -56,18 +56,18 @@ class RoleWorker:
         if resume is not None:
             restore_rng(resume)
         shared = InProcessWeights() if {"rollout", "actor"} <= set(roles) else None
-        self.loops: list[Any] = []
         # The actor is built first so it publishes the starting weights before anyone waits.
-        if "actor" in roles:
-            self.loops.append(TrainLoop(self.env, shared or ObjectStoreWeights(self.env), start_step, resume))
-        if "rollout" in roles:
-            self.loops.insert(0, RolloutLoop(self.env, shared or ObjectStoreWeights(self.env)))
-        if "reward" in roles:
-            self.loops.append(RewardLoop(self.env))
-        if "advantage" in roles:
-            self.loops.append(AdvantageLoop(self.env))
-            if "reward" in roles:  # scored rows go to the advantage loop in memory
-                self.loops[-2].handoff = self.loops[-1]
+        actor = TrainLoop(self.env, shared or ObjectStoreWeights(self.env), start_step, resume) if "actor" in roles else None
+        rollout = RolloutLoop(self.env, shared or ObjectStoreWeights(self.env)) if "rollout" in roles else None
+        reward = RewardLoop(self.env) if "reward" in roles else None
+        advantage = AdvantageLoop(self.env) if "advantage" in roles else None
+        # Co-hosted roles pass a step's rows along in memory: the rollout to the scorer riding on
+        # it, the scorer to the advantage estimator; the last of them writes to the bus.
+        if rollout is not None:
+            rollout.scorer, rollout.estimator = reward, advantage
+        elif reward is not None:
+            reward.handoff = advantage
+        self.loops: list[Any] = [loop for loop in (rollout, reward, advantage, actor) if loop is not None]
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""
@@ -78,9 +78,11 @@ class RoleWorker:
         """Run every step from ``start_step``; stop quietly when the run is stopped."""
         steps = self.spec.trainer.steps
         done = start_step
+        role = "/".join(self.roles)
         try:
             for step in range(start_step, steps):
                 for loop in self.loops:
+                    role = loop.role
                     started, wall = time.perf_counter(), time.time()
                     stats = loop.step(step)
                     stats["busy_s"] = time.perf_counter() - started
@@ -91,8 +93,8 @@ class RoleWorker:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
             detail = "".join(traceback.format_exception(exc))
-            ray.get(self.state.stop.remote(f"{'/'.join(self.roles)} failed at step {done}: {exc}"))
-            raise RuntimeError(f"role {'/'.join(self.roles)} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
+            ray.get(self.state.stop.remote(f"{role} failed at step {done}: {exc}"))
+            raise RuntimeError(f"role {role} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "steps_done": done, "stopped": False}

@@ -235,6 +235,19 @@ class CpuRole(Section):
     """Logical CPUs per worker."""
 
 
+RewardHost = Literal["rollout", "own"]
+
+
+class RewardRole(CpuRole):
+    """The reward role: scoring responses with the reward plugins."""
+
+    host: RewardHost = "rollout"
+    """Where scoring runs: ``rollout`` scores each batch inside the rollout worker that generated it
+    (no bus round trip: right for cheap rule-based rewards; one scorer per rollout replica, and the
+    advantage estimator runs there too outside hybrid mode), ``own`` runs ``replicas`` reward workers
+    of their own that read responses from the bus (for slow or model-based rewards)."""
+
+
 class RolesSpec(Section):
     """Every role of the run; a role set to null does not run."""
 
@@ -248,8 +261,8 @@ class RolesSpec(Section):
     """Value model; needed by ppo."""
     actor_fwd: ForwardRole | None = None
     """Proximal log-probs of the latest policy; needed by ``async_policy.correction: decoupled``."""
-    reward: CpuRole = Field(default_factory=CpuRole)
-    """Reward scoring workers."""
+    reward: RewardRole = Field(default_factory=RewardRole)
+    """Reward scoring."""
     advantage: CpuRole = Field(default_factory=CpuRole)
     """Advantage computation."""
 

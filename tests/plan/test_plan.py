@@ -65,7 +65,7 @@ def test_colocate_shares_every_gpu_between_actor_and_rollout() -> None:
 def test_hybrid_puts_reference_and_advantage_in_the_actor_pool() -> None:
     _, plan = plan_of("qwen3-4b-grpo-hybrid")
     assert plan.pool("actor").roles == ["actor", "reference", "advantage"]
-    assert plan.pool("rollout").roles == ["rollout"]
+    assert plan.pool("rollout").roles == ["rollout", "reward"]  # scoring rides on the rollout
     assert {i.role for i in plan.instances if i.pool == "actor"} == {"actor", "reference", "advantage"}
 
 
@@ -201,9 +201,19 @@ def test_renderings_name_every_role(fmt: str) -> None:
 
 def test_instances_count_per_role() -> None:
     _, plan = plan_of("qwen3-omni-30b-a3b")
-    assert Counter(i.role for i in plan.instances) == {"rollout": 8, "actor": 8, "reward": 1, "advantage": 1}
+    # roles.reward.host: rollout (the default): a scorer rides on every rollout engine's bundle.
+    assert Counter(i.role for i in plan.instances) == {"rollout": 8, "actor": 8, "reward": 8, "advantage": 1}
+    for engine, scorer in zip(plan.instances_of("rollout"), plan.instances_of("reward")):
+        assert (scorer.pool, scorer.bundles, scorer.gpus) == (engine.pool, engine.bundles[:1], [])
+    assert plan.instances_of("advantage")[0].bundles == plan.instances_of("rollout")[0].bundles[:1]
+
+
+def test_reward_workers_of_their_own_share_a_scoring_pool_with_the_advantage() -> None:
+    _, plan = plan_of("qwen3-omni-30b-a3b", "roles.reward.host=own", "roles.reward.replicas=2")
+    assert Counter(i.role for i in plan.instances) == {"rollout": 8, "actor": 8, "reward": 2, "advantage": 1}
     reward, advantage = plan.instances_of("reward")[0], plan.instances_of("advantage")[0]
     assert (reward.pool, reward.bundles) == (advantage.pool, advantage.bundles) == ("scoring", [0])
+    assert plan.pool("rollout").roles == ["rollout"]
 
 
 def test_plan_schema_is_current() -> None:

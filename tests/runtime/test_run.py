@@ -41,7 +41,9 @@ def run(tmp_path: Path, name: str, *overrides: str, resume: bool = False) -> tup
     return code, rows, out.getvalue()
 
 
-MODES = [("colocate", 0), ("separate", 0), ("separate", 1), ("separate", 2), ("hybrid", 1)]
+MODES = [("colocate", 0), ("separate", 0), ("separate", 1), ("separate", 2), ("hybrid", 1),
+         # reward workers of their own, reading responses from the bus (the default scores in the rollout)
+         ("separate", 3, "roles.reward.host=own")]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,12 @@ def mode_runs(local_ray, tmp_path_factory) -> dict[tuple[str, int], tuple[int, l
     """Each placement mode and staleness bound, 4 steps each, run once for the tests below."""
     root = tmp_path_factory.mktemp("modes")
     runs = {(mode, k): run(root, f"{mode}-{k}", f"placement.mode={mode}", f"async_policy.max_staleness={k}",
-                           "trainer.steps=4", "tracing.exporter=jsonl")
-            for mode, k in MODES}
+                           "trainer.steps=4", "tracing.exporter=jsonl", *host)
+            for mode, k, *host in MODES}
     return {key: (*result, root / f"{key[0]}-{key[1]}") for key, result in runs.items()}
 
 
-@pytest.mark.parametrize(("mode", "k"), MODES)
+@pytest.mark.parametrize(("mode", "k"), [m[:2] for m in MODES])
 def test_each_mode_trains_within_its_staleness_bound(mode_runs, mode: str, k: int) -> None:
     code, rows, printed, _ = mode_runs[(mode, k)]
     assert code == 0
@@ -69,7 +71,7 @@ def test_each_mode_trains_within_its_staleness_bound(mode_runs, mode: str, k: in
 
 def test_async_modes_use_their_slack(mode_runs) -> None:
     # With k >= 1 the rollout may run ahead: some step trains on samples one version old.
-    for key in (("separate", 1), ("separate", 2), ("hybrid", 1)):
+    for key in (("separate", 1), ("separate", 2), ("hybrid", 1), ("separate", 3)):
         assert max(r["staleness/max"] for r in mode_runs[key][1]) >= 1, key
 
 
@@ -143,3 +145,36 @@ def test_the_tiny_preset_learns_the_task(local_ray, tmp_path: Path) -> None:
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[:3]) / 3 <= 0.4, rewards[:3]
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards[-5:]
+
+
+def test_one_trace_follows_every_step_and_links_train_steps_to_their_rollouts(mode_runs) -> None:
+    from relax.telemetry import read_spans
+
+    spans = read_spans(mode_runs[("separate", 1)][3] / "traces.jsonl")
+    assert len({s["trace_id"] for s in spans}) == 1
+    by_id = {s["span_id"]: s for s in spans}
+    roots = [s for s in spans if s["name"] == "relax.run"]
+    steps = {s["attributes"]["relax.step"]: s for s in spans if s["name"] == "relax.step"}
+    assert len(roots) == 1 and sorted(steps) == [0, 1, 2, 3]
+    assert all(s["parent_id"] == roots[0]["span_id"] for s in steps.values())
+    work = [s for s in spans if s["name"] in ("relax.rollout.batch", "relax.reward.score",
+                                              "relax.advantage.compute", "relax.actor.train_step")]
+    assert len(work) == 16
+    for span in work:  # every role's unit of work sits under the step it worked on
+        assert by_id[span["parent_id"]] is steps[span["attributes"]["relax.step"]]
+    rollouts = {s["span_id"]: s for s in spans if s["name"] == "relax.rollout.batch"}
+    trains = {s["attributes"]["relax.step"]: s for s in spans if s["name"] == "relax.actor.train_step"}
+    for t, span in trains.items():  # each step trains the batch made for it...
+        assert [rollouts[link["span_id"]]["attributes"]["relax.step"] for link in span["links"]] == [t]
+    assert max(s["attributes"]["relax.staleness"] for s in trains.values()) == 1  # ...by an older policy,
+    # generated while the previous step trained: the link reaches back into the previous step.
+    linked_start = {t: rollouts[s["links"][0]["span_id"]]["start"] for t, s in trains.items()}
+    assert any(linked_start[t] < trains[t - 1]["end"] for t in range(1, 4))
+
+
+@pytest.mark.parametrize(("key", "overlaps"), [(("colocate", 0), False), (("separate", 1), True)])
+def test_relax_trace_shows_overlap_only_when_roles_run_apart(mode_runs, key, overlaps: bool) -> None:
+    from relax.telemetry.analysis import load_spans, summarize_traces
+
+    summary = summarize_traces(load_spans(mode_runs[key][3]))[0]
+    assert (summary.overlap_s > 0) is overlaps
