@@ -83,11 +83,28 @@ class RoleEnv:
                 raise TimeoutError(f"waited {self.timeout_s:.0f} s for {method}{args}; the role that should "
                                    "provide it is stuck or dead")
 
+    def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: str, fields: tuple[str, ...],
+                 task: str, work: Any) -> dict[str, Any]:
+        """One step of a task that reads rows from the bus, unless a co-hosted loop already did the
+        step in memory (its stats wait in ``done``). ``work(step, batch)`` computes and writes; the
+        time outside it is bus time."""
+        if step not in done:
+            started = time.perf_counter()
+            work(step, self.take(step, after, fields, task))
+            computed = sum(v for k, v in done[step].items() if k.endswith("_s") and k != "bus_s")
+            done[step]["bus_s"] = time.perf_counter() - started - computed
+        return done.pop(step)
+
     def take(self, step: int, after: str, fields: tuple[str, ...], task: str) -> Any:
         """This task's rows of a step, once ``after`` has been announced for them."""
         self.wait("wait_ready", partition_of(step), after)
         return self.bus.get(partition_of(step), list(fields), task=task, batch_size=self.batch_size,
                             timeout_s=self.timeout_s)
+
+
+def group_ids(meta: list[Any]) -> torch.Tensor:
+    """The group of each row (the index of the prompt it answers), from the rows' metadata."""
+    return torch.tensor([int(m.extra["group"]) for m in meta], dtype=torch.long)
 
 
 class WeightChannel(Protocol):
@@ -227,21 +244,16 @@ class RewardLoop:
         return total
 
     def step(self, step: int) -> dict[str, Any]:
-        if step in self._stats:  # already scored in memory by the rollout this loop rides with
-            return self._stats.pop(step)
-        t0 = time.perf_counter()
-        batch = self.env.take(step, "response", ("prompt", "response", "label"), "reward")
-        t1 = time.perf_counter()
+        return self.env.bus_task(step, self._stats, "response", ("prompt", "response", "label"), "reward",
+                                 self._from_bus)
+
+    def _from_bus(self, step: int, batch: BusBatch) -> None:
         total = self.score(step, batch.fields, batch.meta)
-        t2 = time.perf_counter()
         if self.handoff is not None:
             self.handoff.accept(step, batch, total)
         else:
             self.env.bus.write_fields(batch, {"rewards": total})
             self.env.state.announce.remote(partition_of(step), "rewards")
-        stats = self._stats.pop(step)
-        stats["bus_s"] = time.perf_counter() - t2 + t1 - t0
-        return stats
 
 
 class AdvantageLoop:
@@ -263,25 +275,17 @@ class AdvantageLoop:
 
     def accept(self, step: int, batch: BusBatch, rewards: torch.Tensor) -> None:
         """Rows a reward loop in this worker took from the bus and scored: estimate, write both."""
-        groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
-        advantages = self.estimate(step, rewards, groups)
+        advantages = self.estimate(step, rewards, group_ids(batch.meta))
         self.env.bus.write_fields(batch, {"rewards": rewards, "advantages": advantages})
         self.env.state.announce.remote(partition_of(step), "advantages")
 
     def step(self, step: int) -> dict[str, Any]:
-        if step in self._stats:  # done in memory by a co-hosted rollout or reward loop
-            return self._stats.pop(step)
-        t0 = time.perf_counter()
-        batch = self.env.take(step, "rewards", ("rewards",), "advantage")
-        t1 = time.perf_counter()
-        groups = torch.tensor([int(m.extra["group"]) for m in batch.meta], dtype=torch.long)
-        advantages = self.estimate(step, batch["rewards"].float(), groups)
-        t2 = time.perf_counter()
+        return self.env.bus_task(step, self._stats, "rewards", ("rewards",), "advantage", self._from_bus)
+
+    def _from_bus(self, step: int, batch: BusBatch) -> None:
+        advantages = self.estimate(step, batch["rewards"].float(), group_ids(batch.meta))
         self.env.bus.write_fields(batch, {"advantages": advantages})
         self.env.state.announce.remote(partition_of(step), "advantages")
-        stats = self._stats.pop(step)
-        stats["bus_s"] = time.perf_counter() - t2 + t1 - t0
-        return stats
 
 
 class TrainLoop:
