@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
 from relax.config import load_spec_dict
 from relax.plan import make_plan
+from relax.runtime.placement import cluster_nodes, create_placement, verify_gpu_ids
 from relax.spec import validate_spec
-
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from relax.runtime.placement import cluster_nodes, create_placement, verify_gpu_ids  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
