@@ -24,7 +24,7 @@ from relax.spec.architecture import (
 )
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import RunSpec
-from relax.spec.rules import RULES, RuleContext
+from relax.spec.rules import RULES, RuleContext, check_plugins
 from relax.spec.translate import issues_from_validation_error
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -84,8 +84,27 @@ def validate_spec(
     try:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError(issues_from_validation_error(exc, RunSpec)) from None
+        issues = issues_from_validation_error(exc, RunSpec)
+        issues += _plugin_issues_of_sound_sections(raw, exc, base_dir or Path.cwd(), registry or get_registry())
+        raise SpecError(issues) from None
     return check_spec(spec, base_dir=base_dir, registry=registry)
+
+
+def _plugin_issues_of_sound_sections(raw: dict[str, Any], exc: ValidationError, base_dir: Path,
+                                     registry: Registry) -> list[SpecIssue]:
+    """Plugin problems in the sections whose shape is right, so that a typo in one section does not
+    hide a wrong plugin option in another. Cross-section rules wait for a well-shaped spec: with a
+    broken section replaced by its defaults they could report problems that are not there."""
+    broken = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+    sound = {key: value for key, value in raw.items() if key in RunSpec.model_fields and key not in broken}
+    sound.setdefault("name", "partial")
+    try:
+        partial = RunSpec.model_validate(sound)
+    except ValidationError:
+        return []
+    ctx = RuleContext(registry=registry, base_dir=base_dir)
+    return [issue for issue in check_plugins(partial, ctx)
+            if issue.path.split(".")[0].split("[")[0] in raw and issue.path.split(".")[0].split("[")[0] not in broken]
 
 
 def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registry | None = None) -> RunSpec:
