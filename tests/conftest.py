@@ -13,7 +13,6 @@ TESTKIT = Path(__file__).parent / "spec" / "testkit"
 @pytest.fixture(scope="module")
 def testkit_registry():
     """A fresh registry that also sees the ``relax-testkit`` plugins (put first on sys.path)."""
-    from relax.spec import validate_spec  # noqa: F401  (relax.registry alone hits an import cycle)
     from relax.registry import Registry
 
     with pytest.MonkeyPatch.context() as mp:

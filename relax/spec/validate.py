@@ -103,8 +103,12 @@ def _plugin_issues_of_sound_sections(raw: dict[str, Any], exc: ValidationError, 
     except ValidationError:
         return []
     ctx = RuleContext(registry=registry, base_dir=base_dir)
-    return [issue for issue in check_plugins(partial, ctx)
-            if issue.path.split(".")[0].split("[")[0] in raw and issue.path.split(".")[0].split("[")[0] not in broken]
+    return [issue for issue in check_plugins(partial, ctx) if _section_of(issue.path) in sound]
+
+
+def _section_of(path: str) -> str:
+    """The top-level section of a dotted path (``rewards[0].name`` -> ``rewards``)."""
+    return path.split(".")[0].split("[")[0]
 
 
 def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registry | None = None) -> RunSpec:

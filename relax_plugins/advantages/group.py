@@ -46,41 +46,35 @@ class GRPOAdvantage:
                                eps=self.config.eps)
 
 
-class DrGRPOAdvantage:
+class _UnscaledGroupAdvantage:
+    """Shared shape of the option-free group estimators: one pure function over rewards and groups."""
+
+    group_based: ClassVar[bool] = True
+    estimator: ClassVar[str]
+    """Name of the function in ``relax.algo.advantages``."""
+
+    class Config(BaseModel):
+        """This estimator has no options."""
+
+        model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, config: BaseModel, spec: Any) -> None:
+        self.config = config
+        self.spec = spec
+
+    def compute(self, rewards: Any, group_ids: Any) -> Any:
+        from relax.algo import advantages
+
+        return getattr(advantages, self.estimator)(*_tensors(rewards, group_ids))
+
+
+class DrGRPOAdvantage(_UnscaledGroupAdvantage):
     """Dr. GRPO: ``r_i - mean_g`` (no std division)."""
 
-    group_based: ClassVar[bool] = True
-
-    class Config(BaseModel):
-        """Dr. GRPO has no options."""
-
-        model_config = ConfigDict(extra="forbid")
-
-    def __init__(self, config: DrGRPOAdvantage.Config, spec: Any) -> None:
-        self.config = config
-        self.spec = spec
-
-    def compute(self, rewards: Any, group_ids: Any) -> Any:
-        from relax.algo.advantages import dr_grpo_advantages
-
-        return dr_grpo_advantages(*_tensors(rewards, group_ids))
+    estimator = "dr_grpo_advantages"
 
 
-class RLOOAdvantage:
+class RLOOAdvantage(_UnscaledGroupAdvantage):
     """RLOO: ``r_i`` minus the mean reward of the other samples of its group."""
 
-    group_based: ClassVar[bool] = True
-
-    class Config(BaseModel):
-        """RLOO has no options."""
-
-        model_config = ConfigDict(extra="forbid")
-
-    def __init__(self, config: RLOOAdvantage.Config, spec: Any) -> None:
-        self.config = config
-        self.spec = spec
-
-    def compute(self, rewards: Any, group_ids: Any) -> Any:
-        from relax.algo.advantages import rloo_advantages
-
-        return rloo_advantages(*_tensors(rewards, group_ids))
+    estimator = "rloo_advantages"

@@ -8,7 +8,6 @@ import sys
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
 from relax.registry import get_registry
 
 BUILTINS = [

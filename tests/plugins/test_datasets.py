@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
 from relax.registry import get_registry
 
 

@@ -8,7 +8,6 @@ import torch
 
 from relax.algo.batch import collate
 from relax.contracts import BackendContext
-from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
 from relax.registry import get_registry
 
 #: Prompts of different token lengths, so rows are left-padded.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from relax.contracts import RewardSample
-from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
 from relax.registry import get_registry
 
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from relax.spec.architecture import ModelArchitecture, architecture_from_hf_config
-from relax.spec import validate_spec  # noqa: F401  (before relax.registry: import cycle)
 from relax.registry import get_registry
 
 from .conftest import TINY_OPTIONS

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from relax.spec import SpecIssue  # noqa: F401  (imported before relax.registry; see the cycle test)
 from relax.contracts import PluginKind
 from relax.registry import PluginError, PluginNotFound, Registry
 
