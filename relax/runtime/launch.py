@@ -28,6 +28,10 @@ ROLES = ("rollout", "reward", "advantage", "actor")
 #: Environment of every Ray process of a run: no progress bars or advisory logs from the libraries.
 QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+#: ``module.function`` that every Ray worker process of the run calls before anything else (Ray's
+#: ``worker_process_setup_hook``): for process-wide settings a backend needs on an unusual machine,
+#: such as a test harness's CPU stand-ins for CUDA calls. Plugins never rely on it.
+WORKER_SETUP_ENV = "RELAX_WORKER_SETUP"
 
 
 class LaunchError(Exception):
@@ -203,7 +207,10 @@ def _init_ray(spec: RunSpec) -> bool:
     os.environ.update(QUIET_ENV)
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": dict(QUIET_ENV)}
+    runtime_env: dict[str, Any] = {"env_vars": dict(QUIET_ENV)}
+    if hook := os.environ.get(WORKER_SETUP_ENV):
+        runtime_env["worker_process_setup_hook"] = hook
+        runtime_env["env_vars"][WORKER_SETUP_ENV] = hook
     if spec.cluster.address is None:
         # address="local" always starts a new Ray, even when another one runs on this machine.
         ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
