@@ -1,3 +1,4 @@
-"""The RL math as pure torch functions: advantage estimators (``advantages``), policy losses
-(``losses``) and the padded training batch (``batch``). Nothing here knows of Ray, the bus or roles.
+"""The RL math as pure torch functions: advantage estimators (``advantages``), policy and value
+losses (``losses``), KL estimators (``kl``), DAPO's group filter (``dynamic_sampling``) and the
+padded training batch (``batch``). Nothing here knows of Ray, the bus or roles.
 """

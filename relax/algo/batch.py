@@ -42,7 +42,8 @@ class TrainBatch:
     rollout_logprobs: Tensor
     """``[B, T]`` float32: the behaviour policy's log-prob of each response token (0 elsewhere)."""
     advantages: Tensor
-    """``[B]`` float32: one advantage per sample, applied to all its response tokens."""
+    """``[B]`` float32, one advantage per sample applied to all its response tokens (outcome-level
+    estimators), or ``[B, T]`` float32, one per token and 0 off the response (token-level ones)."""
     policy_version: Tensor
     """``[B]`` int64: the policy version that generated each sample."""
     ref_logprobs: Tensor | None = None
@@ -52,6 +53,16 @@ class TrainBatch:
     any; when absent the behaviour log-probs serve as the old policy."""
     rewards: Tensor | None = None
     """``[B]`` float32: the scalar rewards (for metrics), if given."""
+    values: Tensor | None = None
+    """``[B, T]`` float32: the critic's values at the response tokens (entry ``t`` is the value of
+    the state in which token ``t`` was chosen) that the advantages were computed with, if any."""
+    returns: Tensor | None = None
+    """``[B, T]`` float32: the critic's value targets (e.g. GAE's ``advantages + values``), if any."""
+    media: list[str] | None = None
+    """Per row, a multimodal sample's context as JSON (its prompt text and media references,
+    ``relax.media``), from which a trainer rebuilds the model's media inputs; None for text runs.
+    The only non-tensor field: ``select`` keeps it aligned with the rows, the column operations
+    leave it as it is."""
 
     @property
     def batch_size(self) -> int:
@@ -62,13 +73,16 @@ class TrainBatch:
         return int(self.response_mask.sum().item())
 
     def _tensors(self) -> dict[str, Tensor | None]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "media"}
 
     def select(self, rows: slice | Sequence[int] | Tensor) -> TrainBatch:
         """The batch restricted to some rows (columns are kept; see ``trim``)."""
         if not isinstance(rows, slice):
             rows = torch.as_tensor(rows, dtype=torch.long)
-        return TrainBatch(**{k: None if v is None else v[rows] for k, v in self._tensors().items()})
+        media = self.media
+        if media is not None:
+            media = media[rows] if isinstance(rows, slice) else [media[int(i)] for i in rows.reshape(-1)]
+        return TrainBatch(**{k: None if v is None else v[rows] for k, v in self._tensors().items()}, media=media)
 
     def used_columns(self) -> slice:
         """The columns from the first to the last that is not padding in some row."""
@@ -81,7 +95,7 @@ class TrainBatch:
         """The batch restricted to some token columns (per-row fields are kept)."""
         return TrainBatch(**{
             k: v if v is None or v.ndim == 1 else v[:, columns] for k, v in self._tensors().items()
-        })
+        }, media=self.media)
 
     def trim(self) -> TrainBatch:
         """Drop leading and trailing columns that are padding in every row.
@@ -101,7 +115,8 @@ class TrainBatch:
             yield self.select(slice(start, start + rows_per_part)).trim()
 
     def to(self, device: str | torch.device) -> TrainBatch:
-        return TrainBatch(**{k: None if v is None else v.to(device) for k, v in self._tensors().items()})
+        return TrainBatch(**{k: None if v is None else v.to(device) for k, v in self._tensors().items()},
+                          media=self.media)
 
     def with_fields(self, **changes: Tensor | None) -> TrainBatch:
         """A copy with some fields replaced (e.g. ``old_logprobs`` after a recompute)."""
@@ -125,20 +140,24 @@ def _per_row(value: int | Sequence[int] | Tensor, rows: int, name: str) -> Tenso
 
 def collate(
     generations: Sequence[Generation],
-    advantages: Tensor | Sequence[float],
+    advantages: Tensor | Sequence[float] | Sequence[Sequence[float]],
     pad_token_id: int,
     *,
     policy_version: int | Sequence[int] | Tensor = 0,
     ref_logprobs: Sequence[Sequence[float]] | None = None,
     rewards: Tensor | Sequence[float] | None = None,
     pad_to_multiple_of: int = 1,
+    values: Sequence[Sequence[float]] | None = None,
+    returns: Sequence[Sequence[float]] | None = None,
 ) -> TrainBatch:
     """Pack generations into a ``TrainBatch``.
 
-    ``advantages`` has one value per generation. ``policy_version`` is one version for all or one
-    per generation. ``ref_logprobs`` (optional) holds, per generation, the reference policy's
-    log-prob of each response token, like ``Generation.logprobs``. ``pad_to_multiple_of`` rounds the
-    number of columns up (the extra columns are right padding).
+    ``advantages`` has one value per generation (``[B]``), or one per response token: a sequence of
+    per-generation sequences like ``Generation.logprobs``, or a ``[B, T]`` tensor already in this
+    function's layout. ``policy_version`` is one version for all or one per generation.
+    ``ref_logprobs``, ``values`` and ``returns`` (optional) hold, per generation, one value per
+    response token, like ``Generation.logprobs``. ``pad_to_multiple_of`` rounds the number of
+    columns up (the extra columns are right padding).
     """
     rows = len(generations)
     if rows == 0:
@@ -158,7 +177,6 @@ def collate(
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     response_mask = torch.zeros((rows, width), dtype=torch.float32)
     rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    ref = torch.zeros((rows, width), dtype=torch.float32) if ref_logprobs is not None else None
     for i, g in enumerate(generations):
         start = prompt_width - len(g.prompt_ids)
         end = prompt_width + len(g.response_ids)
@@ -168,13 +186,34 @@ def collate(
             input_ids[i, prompt_width:end] = torch.tensor(g.response_ids, dtype=torch.long)
             response_mask[i, prompt_width:end] = 1.0
             rollout_logprobs[i, prompt_width:end] = torch.tensor(g.logprobs, dtype=torch.float32)
-            if ref is not None:
-                ref[i, prompt_width:end] = torch.tensor(list(ref_logprobs[i]), dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
-    adv = torch.as_tensor(advantages, dtype=torch.float32).detach().cpu()
-    if adv.shape != (rows,):
-        raise ValueError(f"advantages must have one value per generation ({rows}), got shape {tuple(adv.shape)}")
+    def token_rows(per_row: Sequence[Sequence[float]] | None, name: str) -> Tensor | None:
+        if per_row is None:
+            return None
+        if len(per_row) != rows:
+            raise ValueError(f"{name} must have one entry per generation ({rows}), got {len(per_row)}")
+        out = torch.zeros((rows, width), dtype=torch.float32)
+        for i, g in enumerate(generations):
+            row = torch.as_tensor(per_row[i], dtype=torch.float32).detach().cpu().reshape(-1)
+            if row.numel() != len(g.response_ids):
+                raise ValueError(f"{name}[{i}] has {row.numel()} values but generation {i} has "
+                                 f"{len(g.response_ids)} response tokens; give one per response token")
+            out[i, prompt_width:prompt_width + row.numel()] = row
+        return out
+
+    if isinstance(advantages, Tensor) and advantages.ndim == 2:
+        adv = advantages.detach().to(torch.float32).cpu()
+        if adv.shape != (rows, width):
+            raise ValueError(f"token advantages must have shape ({rows}, {width}) in the collated "
+                             f"layout, got {tuple(adv.shape)}; or give one sequence per generation")
+        adv = adv * response_mask
+    elif not isinstance(advantages, Tensor) and rows and isinstance(advantages[0], Sequence):
+        adv = token_rows(advantages, "advantages")  # type: ignore[arg-type]
+    else:
+        adv = torch.as_tensor(advantages, dtype=torch.float32).detach().cpu()
+        if adv.shape != (rows,):
+            raise ValueError(f"advantages must have one value per generation ({rows}), got shape {tuple(adv.shape)}")
     versions = _per_row(policy_version, rows, "policy_version").to(torch.long)
     rew = None
     if rewards is not None:
@@ -189,8 +228,10 @@ def collate(
         rollout_logprobs=rollout_logprobs,
         advantages=adv,
         policy_version=versions,
-        ref_logprobs=ref,
+        ref_logprobs=token_rows(ref_logprobs, "ref_logprobs"),
         rewards=rew,
+        values=token_rows(values, "values"),
+        returns=token_rows(returns, "returns"),
     )
 
 

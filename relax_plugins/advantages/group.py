@@ -20,9 +20,13 @@ def _tensors(rewards: Any, group_ids: Any) -> tuple[Any, Any]:
 
 
 class GRPOAdvantage:
-    """GRPO: ``(r_i - mean_g) / (std_g + eps)``, std the unbiased (n-1) estimator of the group."""
+    """GRPO: ``(r_i - mean_g) / (std_g + eps)``, std the unbiased (n-1) estimator of the group.
+
+    A group of one sample, or whose rewards are all equal, gets 0 (see ``grpo_advantages``).
+    """
 
     group_based: ClassVar[bool] = True
+    token_level: ClassVar[bool] = False
 
     class Config(BaseModel):
         """Options of the GRPO advantage."""
@@ -50,6 +54,7 @@ class _UnscaledGroupAdvantage:
     """Shared shape of the option-free group estimators: one pure function over rewards and groups."""
 
     group_based: ClassVar[bool] = True
+    token_level: ClassVar[bool] = False
     estimator: ClassVar[str]
     """Name of the function in ``relax.algo.advantages``."""
 

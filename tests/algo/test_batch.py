@@ -91,3 +91,36 @@ def test_token_logprobs_temperature():
     out = token_logprobs(logits, ids, temperature=0.5)
     ref = torch.log_softmax(logits[:, :-1] / 0.5, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert torch.allclose(out[:, 1:], ref, atol=1e-6)
+
+
+def test_token_advantages_as_per_generation_lists():
+    batch = collate(_gens(), [[0.5], [1.0, 2.0, 3.0]], PAD, values=[[0.1], [0.2, 0.3, 0.4]],
+                    returns=[[1.0], [2.0, 2.0, 2.0]])
+    assert batch.advantages.tolist() == [[0, 0, 0, 0.5, 0, 0], [0, 0, 0, 1.0, 2.0, 3.0]]
+    assert batch.values[1, 3:].tolist() == pytest.approx([0.2, 0.3, 0.4])
+    assert batch.returns[0].tolist() == [0, 0, 0, 1.0, 0, 0]
+
+
+def test_token_advantages_as_a_tensor_in_the_layout():
+    adv = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    batch = collate(_gens(), adv, PAD)
+    assert batch.advantages.tolist() == [[0, 0, 0, 3, 0, 0], [0, 0, 0, 9, 10, 11]]  # zeroed off the response
+    with pytest.raises(ValueError, match=r"\(2, 6\)"):
+        collate(_gens(), torch.zeros(2, 5), PAD)
+    with pytest.raises(ValueError, match="values\\[1\\] has 2 values"):
+        collate(_gens(), [0.0, 0.0], PAD, values=[[0.1], [0.2, 0.3]])
+
+
+def test_select_split_and_device_keep_token_fields():
+    batch = collate(_gens(), [[0.5], [1.0, 2.0, 3.0]], PAD, values=[[0.1], [0.2, 0.3, 0.4]],
+                    returns=[[1.0], [2.0, 2.0, 2.0]])
+    first, second = list(batch.split(1))
+    # row 0 is trimmed to its 3 used columns; every token field follows the columns
+    assert first.advantages.tolist() == [[0, 0, 0.5]]
+    assert first.values.tolist() == [[0, 0, pytest.approx(0.1)]]
+    assert first.returns.tolist() == [[0, 0, 1.0]]
+    assert second.advantages.tolist() == [[0, 0, 0, 1.0, 2.0, 3.0]]
+    picked = batch.select([1]).to("cpu")
+    assert picked.values.shape == (1, 6) and picked.returns.shape == (1, 6)
+    outcome = collate(_gens(), [1.0, -1.0], PAD)
+    assert [part.advantages.tolist() for part in outcome.split(1)] == [[1.0], [-1.0]]
