@@ -16,28 +16,23 @@ in ``relax_plugins.models.tiny_lm_build`` and is imported by ``materialize``.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax_plugins.models.build_cache import recipe_fingerprint
+
 #: Source files whose text is part of the cache key: editing the recipe rebuilds the model.
 RECIPE_FILES = ("tiny_lm.py", "tiny_lm_build.py")
-#: Marker written last into a finished build; a folder without it is not a usable model.
-BUILD_MARKER = "relax-build.json"
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<eos>", "<unk>")
 """Pad, end-of-sequence and unknown tokens, with ids 0, 1 and 2."""
 CHARSET: tuple[str, ...] = ("\n", *(chr(code) for code in range(32, 127)))
 """Every character of the vocabulary: newline and printable ASCII (one token each)."""
 VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARSET)
+JUDGE_TEMPLATE = "{prompt}{response}?"
+"""The judge task's input (``genrm`` template fields): ``3+5=8?`` -> ``yes``, ``3+5=9?`` -> ``no``."""
 
 
 class TinyLM:
@@ -66,8 +61,11 @@ class TinyLM:
         """Longest sequence (prompt plus response) in tokens."""
         tie_embeddings: bool = True
         """Share the input embedding with the output head."""
-        task: Literal["arithmetic"] = "arithmetic"
-        """Task of the warm-up: ``arithmetic`` teaches the default ``synthetic:arithmetic`` format."""
+        task: Literal["arithmetic", "judge"] = "arithmetic"
+        """Task of the warm-up: ``arithmetic`` teaches the default ``synthetic:arithmetic`` format;
+        ``judge`` makes a grader of it: given ``JUDGE_TEMPLATE`` filled with a problem and a candidate
+        response it answers ``yes`` (the response is exactly the answer) or ``no`` (for the ``genrm``
+        reward's tests and demos)."""
         warmup_steps: int = Field(600, ge=0)
         """Supervised warm-up steps on the task (0 leaves the random initialisation)."""
         warmup_batch_size: int = Field(64, ge=1)
@@ -106,46 +104,16 @@ class TinyLM:
 
     def fingerprint(self) -> str:
         """A short hash of the config and of the recipe's source: the name of the cached folder."""
-        digest = hashlib.sha256(json.dumps(self.config.model_dump(), sort_keys=True).encode())
         here = Path(__file__).parent
-        for name in RECIPE_FILES:
-            digest.update((here / name).read_bytes())
-        return digest.hexdigest()[:16]
+        return recipe_fingerprint(self.config.model_dump(), (here / name for name in RECIPE_FILES))
 
     def materialize(self, cache_dir: str) -> str:
         """The folder of the built model, building it first unless it is already cached."""
-        cache = Path(cache_dir).expanduser()
-        cache.mkdir(parents=True, exist_ok=True)
-        folder = cache / f"tiny-lm-{self.fingerprint()}"
-        if (folder / BUILD_MARKER).is_file():
-            return str(folder)
-        with _exclusive(cache / f"{folder.name}.lock"):
-            if (folder / BUILD_MARKER).is_file():  # another process built it while we waited
-                return str(folder)
+        from relax_plugins.models.build_cache import cached_build
+
+        def build(staging: Path) -> dict[str, Any]:
             from relax_plugins.models.tiny_lm_build import build_tiny_lm
 
-            staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=cache))
-            try:
-                report = build_tiny_lm(self.config, staging)
-                (staging / BUILD_MARKER).write_text(json.dumps(
-                    {"fingerprint": self.fingerprint(), "config": self.config.model_dump(), **report}, indent=2))
-                if folder.exists():  # a stale, unfinished folder (no marker) from a crash
-                    shutil.rmtree(folder)
-                os.replace(staging, folder)
-            finally:
-                if staging.exists():
-                    shutil.rmtree(staging, ignore_errors=True)
-        return str(folder)
+            return build_tiny_lm(self.config, staging)
 
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An inter-process lock held while building (``fcntl.flock``; released if the process dies)."""
-    import fcntl
-
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        return cached_build(cache_dir, "tiny-lm", self.fingerprint(), self.config.model_dump(), build)

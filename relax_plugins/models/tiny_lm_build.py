@@ -17,7 +17,7 @@ from relax.algo.batch import collate, token_logprobs
 from relax.algo.losses import masked_mean
 from relax.contracts import Generation
 from relax_plugins.datasets.arithmetic import ArithmeticDataset, arithmetic_problem
-from relax_plugins.models.tiny_lm import CHARSET, SPECIAL_TOKENS, VOCAB_SIZE, TinyLM
+from relax_plugins.models.tiny_lm import CHARSET, JUDGE_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, TinyLM
 
 PAD, EOS, UNK = SPECIAL_TOKENS
 #: Characters of the rambling continuation some warm-up targets have after the answer.
@@ -95,6 +95,46 @@ def task_examples(tokenizer: Any, rng: random.Random, count: int,
     return out
 
 
+def judge_examples(tokenizer: Any, rng: random.Random, count: int,
+                   stop_probability: float = 1.0) -> list[tuple[list[int], list[int], str]]:
+    """The judge task's warm-up: half judgements, half plain arithmetic problems with their answers
+    (knowing the answer at the candidate's position is what lets the judge compare).
+    ``stop_probability`` is not used (the signature matches ``task_examples``)."""
+    out = task_examples(tokenizer, rng, count // 2)
+    return out + judgements(tokenizer, rng, count - len(out))
+
+
+def judgements(tokenizer: Any, rng: random.Random, count: int) -> list[tuple[list[int], list[int], str]]:
+    """``count`` judgements as (prompt ids, verdict ids ending in eos, verdict).
+
+    The candidates look like a tiny-lm policy's responses: the answer (``yes``, 40%), the answer
+    with a rambling tail (15%), a wrong number (30%) or a wrong number with a tail (15%); all but
+    the first are ``no``, as exact match would say.
+    """
+    options = ArithmeticDataset.Config()
+    out = []
+    for _ in range(count):
+        item = arithmetic_problem(rng, options.max_operand, list(options.operations))
+        draw = rng.random()
+        candidate = item["answer"] if draw < 0.55 else str(_wrong(rng, int(item["answer"])))
+        if 0.4 <= draw < 0.55 or draw >= 0.85:
+            candidate += " " + "".join(rng.choice(RAMBLE) for _ in range(rng.randint(1, 3)))
+        verdict = "yes" if candidate == item["answer"] else "no"
+        text = JUDGE_TEMPLATE.format(prompt=item["prompt"], response=candidate)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(verdict, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((prompt, ids, verdict))
+    return out
+
+
+def _wrong(rng: random.Random, answer: int) -> int:
+    """A wrong answer: usually close to the right one (the mistakes a weak policy makes)."""
+    while True:
+        guess = answer + rng.choice((-2, -1, 1, 2)) if rng.random() < 0.6 else rng.randint(0, 18)
+        if guess != answer and guess >= 0:
+            return guess
+
+
 def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, float]:
     """Supervised steps on the task (loss: mean negative log-likelihood of the target tokens).
 
@@ -116,7 +156,7 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
     model.train()
     loss_value = float("nan")
     for _ in range(steps):
-        examples = task_examples(tokenizer, rng, config.warmup_batch_size, config.warmup_stop_probability)
+        examples = examples_of(config)(tokenizer, rng, config.warmup_batch_size, config.warmup_stop_probability)
         generations = [Generation(0, p, r, [0.0] * len(r), "") for p, r, _ in examples]
         batch = collate(generations, [0.0] * len(generations), tokenizer.pad_token_id)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -129,6 +169,11 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
         loss_value = float(loss.item())
     model.eval()
     return {"warmup_final_loss": loss_value}
+
+
+def examples_of(config: TinyLM.Config) -> Any:
+    """The example maker of the config's warm-up task."""
+    return judge_examples if config.task == "judge" else task_examples
 
 
 def expected_accuracy(model: Any, tokenizer: Any, examples: list[tuple[list[int], list[int], str]]) -> float:
@@ -153,7 +198,9 @@ def build_tiny_lm(config: TinyLM.Config, folder: Path) -> dict[str, Any]:
         tokenizer = train_tokenizer()
         model = build_model(config, tokenizer)
         report = warm_up(model, tokenizer, config)
-        evaluation = task_examples(tokenizer, random.Random(f"tiny-lm-eval:{config.seed}"), 512)
+        # The judge is measured on judgements only: the probability of the right verdict.
+        evaluate = judgements if config.task == "judge" else task_examples
+        evaluation = evaluate(tokenizer, random.Random(f"tiny-lm-eval:{config.seed}"), 512)
         report["expected_accuracy"] = expected_accuracy(model, tokenizer, evaluation)
         report["expected_answer_accuracy"] = expected_accuracy(
             model, tokenizer, [(p, r[:-1], a) for p, r, a in evaluation])
