@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from relax.plan.model import Bundle, Pool, RoleInstance
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import ForwardRole, RunSpec
+from relax.spec.rules import advantage_reads
 
 CPUS_PER_GPU_BUNDLE = 1.0
 
@@ -134,7 +135,7 @@ def _score_in_rollout(spec: RunSpec, builders: list[PoolBuilder]) -> None:
     for engine in engines:
         pool.instances.append(RoleInstance(role="reward", rank=engine.rank, pool=pool.name,
                                            bundles=engine.bundles[:1], node=engine.node))
-    if spec.placement.mode != "hybrid":
+    if spec.placement.mode != "hybrid" and not advantage_reads(spec):
         pool.roles.append("advantage")
         first = engines[0]
         pool.instances.append(RoleInstance(role="advantage", rank=0, pool=pool.name,
@@ -204,8 +205,10 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
             scoring.instances.append(RoleInstance(role="advantage", rank=rank, pool=scoring.name,
                                                   bundles=[index], node=0))
         builders.append(scoring)
-    if mode == "hybrid":
-        actor_pool = next(b for b in builders if b.name == "actor")
+    if mode == "hybrid" or (roles.reward.host == "rollout" and advantage_reads(spec)):
+        # The estimator reads columns of the critic or the reference: it waits for them beside
+        # the actor rather than in the rollout worker, which would stall generation.
+        actor_pool = next(b for b in builders if b.name in ("actor", "colocate"))
         _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
     pools = [b.build(single_node) for b in builders]
     instances = [i for b in builders for i in b.instances]

@@ -19,6 +19,8 @@ def bus_fields(spec: RunSpec) -> list[BusField]:
         "input_ids": token_readers, "rollout_logprobs": ["actor"], "lengths": token_readers,
     }
     fields = [BusField(name=name, writer="rollout", readers=readers[name]) for name in ROLLOUT_FIELDS]
+    if spec.data.media_keys:  # each row's prompt and media references (JSON), never decoded media
+        fields.append(BusField(name="media", writer="rollout", readers=[r for r in token_readers if r != "critic"]))
     fields.append(BusField(name="rewards", writer="reward", readers=["advantage"]))
     if roles.reference is not None:
         fields.append(BusField(name="ref_logprobs", writer="reference", readers=["actor"]))

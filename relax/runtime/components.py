@@ -12,6 +12,7 @@ from typing import Any
 
 from relax.contracts import BackendContext, PluginKind
 from relax.registry import get_registry
+from relax.runtime.scoring import RewardEntry, RewardScorer
 from relax.spec.architecture import BUILTIN_PREFIX
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin
@@ -51,9 +52,11 @@ def build_dataset(spec: RunSpec, base_dir: Path) -> Any:
     return build_plugin(PluginKind.datasets, name, options)
 
 
-def build_rewards(spec: RunSpec) -> list[tuple[Any, float]]:
-    """Each reward plugin with its weight."""
-    return [(build_plugin(PluginKind.rewards, r.name, r.options), r.weight) for r in spec.rewards]
+def build_rewards(spec: RunSpec) -> RewardScorer:
+    """The run's reward plugins, each with its weight, time limit and error policy, in a scorer."""
+    return RewardScorer([RewardEntry(key=r.key, name=r.name, plugin=build_plugin(PluginKind.rewards, r.name, r.options),
+                                     weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error, always=r.always)
+                         for r in spec.rewards])
 
 
 def build_advantage(spec: RunSpec) -> Any:
@@ -66,20 +69,33 @@ def build_loss(spec: RunSpec) -> Any:
     return build_plugin(PluginKind.losses, name, spec.algorithm.loss_options, spec)
 
 
+def role_device() -> str:
+    """``cuda`` in a worker Ray gave a GPU (it sets ``CUDA_VISIBLE_DEVICES``, so the GPU is
+    ``cuda:0`` of the process), ``cpu`` otherwise, including fake GPUs on a CPU-only machine."""
+    import ray
+    import torch
+
+    if ray.is_initialized() and ray.get_gpu_ids() and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
 def build_rollout(spec: RunSpec, model_path: str, threads: int | None) -> Any:
     role = spec.roles.rollout
     options = dict(role.options)
     if threads and "num_threads" not in options:
         options["num_threads"] = threads
-    context = BackendContext(spec=spec, role="rollout", model_path=model_path, seed=spec.seed)
+    context = BackendContext(spec=spec, role="rollout", model_path=model_path, seed=spec.seed, device=role_device())
     return build_plugin(PluginKind.rollout, role.backend, options, context)
 
 
-def build_trainer(spec: RunSpec, model_path: str, threads: int | None) -> Any:
-    role = spec.roles.actor
-    options = dict(role.options)
+def build_trainer(spec: RunSpec, model_path: str, threads: int | None, role: str = "actor") -> Any:
+    """The ``relax.trainer`` backend of a model role (actor, critic, reference, actor_fwd). Only the
+    actor gets the policy loss; the critic's value loss and forward-only roles need none."""
+    block = getattr(spec.roles, role)
+    options = dict(block.options)
     if threads and "num_threads" not in options:
         options["num_threads"] = threads
-    context = BackendContext(spec=spec, role="actor", model_path=model_path, seed=spec.seed,
-                             loss=build_loss(spec))
-    return build_plugin(PluginKind.trainer, role.backend, options, context)
+    context = BackendContext(spec=spec, role=role, model_path=model_path, seed=spec.seed, device=role_device(),
+                             loss=build_loss(spec) if role == "actor" else None)
+    return build_plugin(PluginKind.trainer, block.backend, options, context)

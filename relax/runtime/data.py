@@ -36,19 +36,57 @@ class PromptSchedule:
         start = step * self.per_step
         return [self._order(pos // self.size)[pos % self.size] for pos in range(start, start + self.per_step)]
 
+    def extra(self, step: int, round_: int) -> list[int]:
+        """More prompts for ``step`` (dynamic sampling's round ``round_`` >= 1): a seeded draw, so a
+        resumed run over-samples exactly the same prompts, without shifting later steps' prompts."""
+        rng = random.Random((self.seed * 1_000_003 + step) * 131 + round_)
+        if self.size >= self.per_step:
+            return rng.sample(range(self.size), self.per_step)
+        return [rng.randrange(self.size) for _ in range(self.per_step)]
+
 
 def sampling_seed(run_seed: int, step: int) -> int:
     """The generation seed of a step: the same in every placement mode and after a resume."""
     return (run_seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
-def prompt_rows(dataset: Any, indices: list[int], prompt_key: str, label_key: str) -> list[dict[str, Any]]:
-    """The data set rows of a step, checked for the prompt column."""
-    rows = []
-    for index in indices:
-        row = dataset[index]
+def prompt_rows(dataset: Any, indices: list[int], prompt_key: str, label_key: str,
+                reward_key: str | None = None, media: Any = None) -> list[dict[str, Any]]:
+    """The data set rows of a step, checked for the prompt column; ``route`` holds the row's
+    ``reward_key`` value (which rewards score it) when the row has one.
+
+    With ``media`` (a ``relax.media.MediaSet``, multimodal runs) each row also gets ``media``: its
+    context (prompt and media references) as the JSON the bus carries. A row whose media are bad
+    raises ``relax.media.BadSample`` naming it under ``data.on_bad_sample: error``; under ``skip``
+    it is replaced by the next usable row of the data set (so the step keeps its size) and counted
+    in ``media.skipped``."""
+    return [_prompt_row(dataset, index, prompt_key, label_key, reward_key, media) for index in indices]
+
+
+def _prompt_row(dataset: Any, index: int, prompt_key: str, label_key: str, reward_key: str | None,
+                media: Any) -> dict[str, Any]:
+    from relax.media import BadSample, dumps_context
+
+    size = len(dataset)
+    for attempt in range(size):
+        current = (index + attempt) % size
+        row = dataset[current]
         if prompt_key not in row:
-            raise KeyError(f"row {index} of the training data has no '{prompt_key}' column (data.prompt_key); "
+            raise KeyError(f"row {current} of the training data has no '{prompt_key}' column (data.prompt_key); "
                            f"it has: {', '.join(sorted(row))}")
-        rows.append({"index": index, "prompt": str(row[prompt_key]), "label": row.get(label_key)})
-    return rows
+        entry = {"index": current, "prompt": str(row[prompt_key]), "label": row.get(label_key)}
+        if reward_key is not None and row.get(reward_key) is not None:
+            entry["route"] = row[reward_key]
+        if media is None:
+            return entry
+        try:
+            entry["media"] = dumps_context(entry["prompt"], media.refs(row, current))
+        except BadSample as exc:
+            if media.on_bad_sample != "skip":
+                raise BadSample(exc.index, exc.key, exc.cause + " (data.on_bad_sample: skip replaces such "
+                                "samples by the next usable one)") from None
+            media.skipped += 1
+            continue
+        return entry
+    raise ValueError(f"every one of the {size} training samples has bad media (data.on_bad_sample: skip found "
+                     "no usable sample); check the media columns and data.media_options")

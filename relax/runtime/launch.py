@@ -25,6 +25,9 @@ ROLE_TIMEOUT_S = float(os.environ.get("RELAX_ROLE_TIMEOUT_S", "300"))
 #: Logical CPUs an embedded Ray gets: TransferQueue's own actors need about 5 beyond the roles.
 EMBEDDED_RAY_CPUS = 8
 ROLES = ("rollout", "reward", "advantage", "actor")
+#: Model roles a spec may add (each a block under ``roles``).
+OPTIONAL_ROLES = ("reference", "critic", "actor_fwd")
+MODEL_ROLES = frozenset({"rollout", "actor", *OPTIONAL_ROLES})
 #: Environment of every Ray process of a run: no progress bars or advisory logs from the libraries.
 QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
@@ -49,18 +52,19 @@ def preflight(spec: RunSpec, plan: Plan) -> list[str]:
             problems.append(f"the spec asks for {plan.gpus_used} GPU(s) but this machine has {local}; run it on a "
                             "GPU cluster (set cluster.address) or choose a CPU preset such as tiny-cpu "
                             "(`relax plan` still shows this spec's layout)")
-    if plan.gpus_used:
-        problems.append("GPU roles are not run by this version of the runtime (one CPU process per role); "
-                        "GPU backends and multi-rank training arrive with the vLLM/Megatron backends")
-    for modality in spec.model.modalities:
-        if modality != "text":
-            problems.append(f"model.modalities lists {modality}; the runtime feeds text only so far")
-    for name in ("reference", "critic", "actor_fwd"):
-        if getattr(spec.roles, name) is not None:
-            problems.append(f"roles.{name} is not run by this version of the runtime; remove it "
-                            "(and algorithm.kl_coef, ppo, decoupled correction, which need it)")
-    if spec.async_policy.correction == "decoupled":
-        problems.append("async_policy.correction decoupled needs roles.actor_fwd; use tis or none")
+    for name in ("actor", *OPTIONAL_ROLES):
+        if len(plan.instances_of(name)) > 1:
+            problems.append(f"roles.{name} spans {len(plan.instances_of(name))} data-parallel ranks; the runtime "
+                            "runs one process per model role so far: give it the GPUs of one model copy "
+                            "(gpus = tp x pp x cp) or run it on CPU")
+    fwd = spec.roles.actor_fwd
+    if fwd is not None and spec.placement.mode == "separate":
+        from relax.registry import get_registry
+        from relax.contracts import PluginKind
+
+        if not hasattr(get_registry().load(PluginKind.trainer, fwd.backend), "load_weights"):
+            problems.append(f"roles.actor_fwd.backend {fwd.backend} cannot take weights in memory (no load_weights); "
+                            "use the torch backend, or hybrid mode where actor_fwd shares the actor's process")
     for name, replicas in (("rollout", spec.roles.rollout.replicas), ("reward", spec.roles.reward.replicas),
                            ("advantage", spec.roles.advantage.replicas)):
         if replicas != 1:
@@ -77,20 +81,32 @@ class Host:
     threads: int
 
 
-def plan_hosts(plan: Plan) -> list[Host]:
+def run_roles(spec: RunSpec) -> list[str]:
+    """The roles of a run, in data order (the plan's names)."""
+    optional = [name for name in OPTIONAL_ROLES if getattr(spec.roles, name) is not None]
+    return [*ROLES, *optional]
+
+
+def report_names(spec: RunSpec) -> list[str]:
+    """The per-step reports the controller waits for: one per role loop (the critic has two)."""
+    names = run_roles(spec)
+    return names + (["critic_values"] if spec.roles.critic is not None else [])
+
+
+def plan_hosts(plan: Plan, roles: list[str] | None = None) -> list[Host]:
     """One worker process per planned bundle: roles whose first instances share a bundle share a
     process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
     advantage), and hand data to each other in memory."""
     cores = os.cpu_count() or 2
     by_bundle: dict[tuple[str, int], list[RoleInstance]] = {}
-    for role in ROLES:
+    for role in roles or ROLES:
         first = plan.instances_of(role)[0]
         by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
-    model_processes = sum(1 for group in by_bundle.values() if {"rollout", "actor"} & {i.role for i in group})
+    model_processes = sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
     hosts = []
     for group in by_bundle.values():
         roles = [i.role for i in group]
-        has_model = bool({"rollout", "actor"} & set(roles))
+        has_model = bool(MODEL_ROLES & set(roles))
         anchor = next((i for i in group if i.role == "actor"), group[0])
         hosts.append(Host(roles, anchor, max(1, cores // model_processes) if has_model else 1))
     return hosts
@@ -155,7 +171,7 @@ class Controller:
         workers = []
         try:
             with telemetry.run_span(steps=spec.trainer.steps, start_step=self.start_step, mode=self.plan.mode) as run:
-                for host in plan_hosts(self.plan):
+                for host in plan_hosts(self.plan, run_roles(spec)):
                     options = placement.actor_options(host.instance)
                     worker = ray.remote(RoleWorker).options(**options, max_concurrency=2).remote(
                         spec, str(self.base_dir), self.model_path, host.roles, state, self.start_step,
@@ -182,7 +198,7 @@ class Controller:
         last_end = time.time()
         for step in range(self.start_step, self.spec.trainer.steps):
             while True:
-                reports = ray.get(state.wait_reports.remote(step, list(ROLES), 1.0))
+                reports = ray.get(state.wait_reports.remote(step, report_names(self.spec), 1.0))
                 if reports:
                     break
                 finished, _ = ray.wait(runs, num_returns=len(runs), timeout=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,8 +29,10 @@ from relax.runtime.components import (
     build_trainer,
 )
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
-from relax.runtime.rows import TRAIN_COLUMNS, rollout_columns, train_batch
+from relax.media import MediaSet, loads_context
+from relax.runtime.rows import TRAIN_COLUMNS, media_columns, rollout_columns, token_column, train_batch
 from relax.spec.models import RunSpec
+from relax.spec.rules import advantage_reads
 from relax.telemetry import ADVANTAGE_COMPUTE, CHECKPOINT, REWARD_SCORE, ROLLOUT_BATCH, TRAIN_STEP, WEIGHT_SYNC, Telemetry
 
 #: Longest single wait on the control plane before re-checking whether the run was stopped.
@@ -83,7 +85,7 @@ class RoleEnv:
                 raise TimeoutError(f"waited {self.timeout_s:.0f} s for {method}{args}; the role that should "
                                    "provide it is stuck or dead")
 
-    def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: str, fields: tuple[str, ...],
+    def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: str | tuple[str, ...], fields: tuple[str, ...],
                  task: str, work: Any) -> dict[str, Any]:
         """One step of a task that reads rows from the bus, unless a co-hosted loop already did the
         step in memory (its stats wait in ``done``). ``work(step, batch)`` computes and writes; the
@@ -95,11 +97,30 @@ class RoleEnv:
             done[step]["bus_s"] = time.perf_counter() - started - computed
         return done.pop(step)
 
-    def take(self, step: int, after: str, fields: tuple[str, ...], task: str) -> Any:
-        """This task's rows of a step, once ``after`` has been announced for them."""
-        self.wait("wait_ready", partition_of(step), after)
+    def take(self, step: int, after: str | tuple[str, ...], fields: tuple[str, ...], task: str) -> Any:
+        """This task's rows of a step, once every column in ``after`` has been announced for them."""
+        for name in (after,) if isinstance(after, str) else after:
+            self.wait("wait_ready", partition_of(step), name)
         return self.bus.get(partition_of(step), list(fields), task=task, batch_size=self.batch_size,
                             timeout_s=self.timeout_s)
+
+    def announce(self, step: int, *columns: str) -> None:
+        """Tell waiting roles that ``columns`` of a step are on the bus (ordered after the writes
+        of this process, so nothing needs to be awaited)."""
+        for column in columns:
+            self.state.announce.remote(partition_of(step), column)
+
+    @property
+    def consumers(self) -> int:
+        """Roles that read a step's rows last: the actor, and the critic when there is one."""
+        return 1 + (self.spec.roles.critic is not None)
+
+    def finish(self, step: int, role: str) -> None:
+        """``role`` is done with a step; the last consumer clears its partition from the bus."""
+        partition = partition_of(step)
+        if self.consumers == 1 or ray.get(self.state.finish.remote(partition, role, self.consumers)):
+            self.bus.clear_soon(partition)
+            self.state.forget.remote(partition)
 
 
 def group_ids(meta: list[Any]) -> torch.Tensor:
@@ -160,12 +181,21 @@ class RolloutLoop:
         self.dataset = build_dataset(spec, env.base_dir)
         self.schedule = PromptSchedule(len(self.dataset), spec.algorithm.prompts_per_step, spec.seed,
                                        spec.data.shuffle)
+        self.media = MediaSet.from_spec(spec, env.base_dir, env.output_dir / "media")
+        """Modality plugins turning a row's media into references (multimodal runs only): the bus
+        carries the references, inline items are written once under ``<output_dir>/media``."""
         pad = self.backend.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.backend.tokenizer.eos_token_id)
         self.scorer: RewardLoop | None = None
         """The reward loop riding in this worker (``roles.reward.host: rollout``), if any."""
         self.estimator: AdvantageLoop | None = None
         """The advantage loop riding in this worker, if any."""
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """DAPO's dynamic sampling: groups with all-equal rewards are replaced by fresh prompts.
+        It needs the rewards before the put, so only with the scorer riding in this worker."""
+        return bool(self.env.spec.algorithm.dynamic_sampling.enabled) and self.scorer is not None
 
     def step(self, step: int) -> dict[str, Any]:
         spec, env = self.env.spec, self.env
@@ -178,35 +208,124 @@ class RolloutLoop:
             with tel.span(WEIGHT_SYNC, step=step, role="rollout", policy_version=version):
                 self.backend.load_weights(weights, version)
         t2 = time.perf_counter()
-        indices = self.schedule.indices(step)
-        rows = prompt_rows(self.dataset, indices, spec.data.prompt_key, spec.data.label_key)
-        n = spec.algorithm.samples_per_prompt
-        with tel.span(ROLLOUT_BATCH, step=step, policy_version=self.backend.version) as span:
-            gens: list[Generation] = self.backend.generate([r["prompt"] for r in rows], n,
-                                                           spec.roles.rollout.sampling, sampling_seed(spec.seed, step))
-            t3 = time.perf_counter()
-            held = self.backend.version
-            columns = rollout_columns(gens, [r["prompt"] for r in rows], [r["label"] for r in rows],
-                                      self.pad_token_id)
+        held = self.backend.version
+        with tel.span(ROLLOUT_BATCH, step=step, policy_version=held) as span:
             carrier = span.carrier()  # each row carries the context of the batch that made it
-            meta = [{"policy_version": held, "sample_id": f"{step}:{rows[g.prompt_index]['index']}:{i % n}",
-                     "group": g.prompt_index, "trace": carrier} for i, g in enumerate(gens)]
-            tokens = sum(len(g.response_ids) for g in gens)
-            span.set(samples=len(gens), tokens=tokens, staleness=step - held)
-        last = "response"
+            batch = self._sample(step, 0, self.schedule.indices(step), carrier)
+            sampling: dict[str, Any] = {}
+            if self.dynamic_sampling:
+                batch, sampling = self._refill(step, batch, carrier)
+            rollout_s = batch.generate_s
+            span.set(samples=len(batch.gens), tokens=batch.tokens, staleness=step - held)
+        columns = rollout_columns(batch.gens, [r["prompt"] for r in batch.rows], [r["label"] for r in batch.rows],
+                                  self.pad_token_id, [r["media"] for r in batch.rows] if self.media is not None else None)
+        ready = ["response"]
         if self.scorer is not None:  # score (and estimate) before the one put of the step
-            columns["rewards"] = self.scorer.score(step, columns, meta)
-            last = "rewards"
+            columns["rewards"] = batch.rewards if batch.rewards is not None else self.scorer.score(step, columns, batch.meta)
+            ready.append("rewards")
             if self.estimator is not None:
-                groups = torch.tensor([g.prompt_index for g in gens], dtype=torch.long)
-                columns["advantages"] = self.estimator.estimate(step, columns["rewards"], groups)
-                last = "advantages"
-        env.bus.put(partition_of(step), columns, meta)
-        env.state.announce.remote(partition_of(step), last)  # ordered after the put; no need to wait
+                groups = torch.tensor([g.prompt_index for g in batch.gens], dtype=torch.long)
+                produced = self.estimator.estimate(step, columns["rewards"], groups, columns)
+                columns.update(produced)
+                ready += list(produced)
+        t3 = time.perf_counter()
+        env.bus.put(partition_of(step), columns, batch.meta)
+        env.announce(step, *ready)
         t4 = time.perf_counter()
-        return {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": t3 - t2, "bus_s": t4 - t3,
-                "response_tokens": tokens, "policy_version": held,
-                "data_order": hashlib.sha1(repr(indices).encode()).hexdigest()[:12]}
+        skipped = {}
+        if self.media is not None:  # rows replaced for bad media (data.on_bad_sample: skip)
+            skipped, self.media.skipped = {"skipped_samples": self.media.skipped}, 0
+        return {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": rollout_s,
+                "bus_s": t4 - t3, "response_tokens": batch.tokens, "policy_version": held,
+                "data_order": hashlib.sha1(repr(batch.order).encode()).hexdigest()[:12], **sampling, **skipped}
+
+    def _sample(self, step: int, round_: int, indices: list[int], carrier: dict[str, str]) -> SampledBatch:
+        """Generate ``samples_per_prompt`` responses to each prompt of ``indices``."""
+        spec = self.env.spec
+        n = spec.algorithm.samples_per_prompt
+        rows = prompt_rows(self.dataset, indices, spec.data.prompt_key, spec.data.label_key, spec.data.reward_key,
+                           self.media)
+        started = time.perf_counter()
+        media = {}
+        if self.media is not None:  # each prompt's media references (never the decoded media)
+            media = {"media": [loads_context(r["media"])[1] for r in rows]}
+        gens: list[Generation] = self.backend.generate([r["prompt"] for r in rows], n, spec.roles.rollout.sampling,
+                                                       sampling_seed(spec.seed, step) + round_ * 104_729, **media)
+        generate_s = time.perf_counter() - started
+        tag = f"{step}" if round_ == 0 else f"{step}r{round_}"
+        meta = [{"policy_version": self.backend.version, "sample_id": f"{tag}:{rows[g.prompt_index]['index']}:{i % n}",
+                 "group": g.prompt_index, "trace": carrier, "response_tokens": len(g.response_ids),
+                 **({"reward_route": rows[g.prompt_index]["route"]} if "route" in rows[g.prompt_index] else {})}
+                for i, g in enumerate(gens)]
+        return SampledBatch(rows=rows, gens=gens, meta=meta, order=list(indices), generate_s=generate_s)
+
+    def _refill(self, step: int, first: SampledBatch, carrier: dict[str, str]) -> tuple[SampledBatch, dict[str, Any]]:
+        """DAPO dynamic sampling: score each round, keep the groups whose rewards differ, and sample
+        more prompts (``PromptSchedule.extra``) until ``prompts_per_step`` groups are kept or
+        ``dynamic_sampling.max_rounds`` rounds are spent. A short batch is topped up with dropped
+        groups (zero advantage for the group estimators) so every step has the same size."""
+        from relax.algo.dynamic_sampling import filter_groups
+
+        spec = self.env.spec
+        want = spec.algorithm.prompts_per_step
+        kept: list[tuple[SampledBatch, int]] = []
+        dropped: list[tuple[SampledBatch, int]] = []
+        rounds, groups_seen, all_rewards, batch = 0, 0, [], first
+        generate_s = score_s = 0.0
+        while True:
+            columns = rollout_columns(batch.gens, [r["prompt"] for r in batch.rows], [r["label"] for r in batch.rows],
+                                      self.pad_token_id)
+            started = time.perf_counter()
+            batch.rewards = self.scorer.score(step, columns, batch.meta)
+            score_s += time.perf_counter() - started
+            generate_s += batch.generate_s
+            all_rewards.append(batch.rewards)
+            groups = torch.tensor([g.prompt_index for g in batch.gens], dtype=torch.long)
+            verdict = filter_groups(batch.rewards, groups)
+            kept += [(batch, int(g)) for g in verdict.kept_groups]
+            dropped += [(batch, int(g)) for g in verdict.dropped_groups]
+            groups_seen += len(batch.rows)
+            rounds += 1
+            if len(kept) >= want or rounds >= spec.algorithm.dynamic_sampling.max_rounds:
+                break
+            batch = self._sample(step, rounds, self.schedule.extra(step, rounds), carrier)
+        merged = SampledBatch.merge((kept + dropped)[:want], generate_s=generate_s)
+        # The reward the policy earns is the mean over every sample drawn, not over the kept ones.
+        self.scorer.record(step, reward_mean=float(torch.cat(all_rewards).mean()), reward_s=score_s)
+        return merged, {"sampling_rounds": rounds, "sampling_filter_rate": len(dropped) / max(groups_seen, 1),
+                        "sampling_topped_up": max(0, want - len(kept))}
+
+
+@dataclass
+class SampledBatch:
+    """Prompts and generations of one sampling round (or the groups picked from several)."""
+
+    rows: list[dict[str, Any]]
+    gens: list[Generation]
+    meta: list[dict[str, Any]]
+    order: list[int]
+    """Data-set indices of the prompts, in order (what ``data/order`` hashes)."""
+    generate_s: float
+    rewards: torch.Tensor | None = None
+    """The weighted rewards of ``gens``, once scored."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(g.response_ids) for g in self.gens)
+
+    @classmethod
+    def merge(cls, groups: list[tuple[SampledBatch, int]], generate_s: float) -> SampledBatch:
+        """One batch of the chosen groups (a source batch and a prompt index each), renumbered."""
+        rows, gens, meta, rewards = [], [], [], []
+        for new_index, (source, group) in enumerate(groups):
+            rows.append(source.rows[group])
+            for i, g in enumerate(source.gens):
+                if g.prompt_index == group:
+                    gens.append(replace(g, prompt_index=new_index))
+                    meta.append({**source.meta[i], "group": new_index})
+                    rewards.append(source.rewards[i])
+        return cls(rows=rows, gens=gens, meta=meta, order=[r["index"] for r in rows], generate_s=generate_s,
+                   rewards=torch.stack(rewards))
 
 
 class RewardLoop:
@@ -226,25 +345,45 @@ class RewardLoop:
         self._stats: dict[int, dict[str, Any]] = {}
 
     def score(self, step: int, columns: dict[str, Any], meta: list[Any]) -> torch.Tensor:
-        """The weighted reward of every row (``prompt``/``response``/``label`` columns)."""
+        """The weighted reward of every row (``prompt``/``response``/``label`` columns).
+
+        The scorer (``relax.runtime.scoring``) runs the rewards concurrently within their time
+        limits. A sample's metadata is its row's (``sample_id``, ``group``, ``response_tokens``,
+        ...; not the trace) plus the run's ``max_new_tokens``; ``response_tokens`` falls back to the
+        ``lengths`` column when the row does not carry it. With ``data.reward_key`` set, a row's
+        ``reward_route`` metadata (that column's value) picks the rewards that score it.
+        """
         started = time.perf_counter()
-        ids = [m["sample_id"] if isinstance(m, dict) else m.sample_id for m in meta]
-        samples = [RewardSample(prompt=p, response=r, label=lab, metadata={"sample_id": i})
-                   for p, r, lab, i in zip(columns["prompt"], columns["response"], columns["label"], ids)]
-        total = torch.zeros(len(samples))
-        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta):
-            for plugin, weight in self.rewards:
-                scores = plugin.score(samples)
-                if len(scores) != len(samples):
-                    raise ValueError(f"reward plugin {type(plugin).__name__} returned {len(scores)} scores for "
-                                     f"{len(samples)} samples; it must return one per sample")
-                total += weight * torch.tensor([float(s) for s in scores])
+        max_new_tokens = self.env.spec.roles.rollout.sampling.max_new_tokens
+        lengths = columns.get("lengths")
+        samples, routes = [], []
+        for i, (prompt, response, label, row) in enumerate(zip(columns["prompt"], columns["response"],
+                                                                 columns["label"], meta)):
+            info = dict(row) if isinstance(row, dict) else {
+                **row.extra, "sample_id": row.sample_id, "policy_version": row.policy_version}
+            info.pop("trace", None)
+            info.setdefault("max_new_tokens", max_new_tokens)
+            if "response_tokens" not in info and lengths is not None:
+                info["response_tokens"] = int(lengths[i][1])
+            routes.append(info.pop("reward_route", None))
+            samples.append(RewardSample(prompt=prompt, response=response, label=label, metadata=info))
+        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta) as span:
+            report = self.rewards.score(samples, routes if self.env.spec.data.reward_key else None)
+            per_reward = report.stats()
+            span.set(**{"relax.reward." + k.replace("/", "."): v for k, v in per_reward.items()})
+        total = torch.tensor(report.totals, dtype=torch.float32)
         self._stats[step] = {"reward_s": time.perf_counter() - started, "bus_s": 0.0,
-                             "reward_mean": float(total.mean())}
+                             "reward_mean": float(total.mean()), "rewards": per_reward}
         return total
 
+    def record(self, step: int, reward_mean: float, reward_s: float) -> None:
+        """Replace a step's reward mean and time after several scoring rounds (dynamic sampling)."""
+        self._stats[step].update(reward_mean=reward_mean, reward_s=reward_s)
+
     def step(self, step: int) -> dict[str, Any]:
-        return self.env.bus_task(step, self._stats, "response", ("prompt", "response", "label"), "reward",
+        # A co-hosted advantage loop gets these rows in memory: read the token columns it needs too.
+        extra = tuple(f for f in self.handoff.fields if f != "rewards") if self.handoff is not None else ()
+        return self.env.bus_task(step, self._stats, "response", ("prompt", "response", "label", *extra), "reward",
                                  self._from_bus)
 
     def _from_bus(self, step: int, batch: BusBatch) -> None:
@@ -257,35 +396,73 @@ class RewardLoop:
 
 
 class AdvantageLoop:
-    """Turns a step's rewards into advantages (a row's group is the prompt it answers)."""
+    """Turns a step's rewards into advantages (a row's group is the prompt it answers).
+
+    An outcome-level estimator maps ``rewards[B]`` to ``advantages[B]``. A token-level one
+    (``token_level = True``) also reads the step's tokens and, per its ``needs``, the critic's
+    ``values`` or the reference's ``ref_logprobs``, and writes ``[B, T]`` advantages (and
+    ``returns`` for the critic). With a critic and an estimator that gives no returns, the
+    critic's target is the outcome reward on every response token (Monte Carlo, no discount).
+    """
 
     role = "advantage"
 
     def __init__(self, env: RoleEnv) -> None:
         self.env = env
         self.estimator = build_advantage(env.spec)
+        self.token_level = bool(getattr(self.estimator, "token_level", False))
+        self.reads = advantage_reads(env.spec)
+        """Columns of other roles it waits for; with any, it cannot run before the batch's put."""
+        self.writes_returns = env.spec.roles.critic is not None
         self._stats: dict[int, dict[str, Any]] = {}
 
-    def estimate(self, step: int, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def estimate(self, step: int, rewards: torch.Tensor, groups: torch.Tensor,
+                 columns: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """``advantages`` (and ``returns`` when a critic trains) for a step's rows; ``columns``
+        holds the token columns a token-level estimator or the critic's target needs."""
         started = time.perf_counter()
+        rewards = rewards.float()
         with self.env.telemetry.span(ADVANTAGE_COMPUTE, step=step, samples=len(rewards)):
-            advantages = self.estimator.compute(rewards.float(), groups).float()
+            packed = train_batch(columns, [0] * len(rewards)) if columns is not None and "input_ids" in columns else None
+            returns = None
+            if self.token_level:
+                from relax.algo.advantages import TokenAdvantageInputs
+
+                out = self.estimator.compute_tokens(TokenAdvantageInputs(
+                    rewards=rewards, group_ids=groups, response_mask=packed.response_mask,
+                    logprobs=packed.rollout_logprobs, ref_logprobs=getattr(packed, "ref_logprobs", None),
+                    values=getattr(packed, "values", None)))
+                advantages = token_column(packed, out.advantages)
+                if out.returns is not None:
+                    returns = token_column(packed, out.returns)
+            else:
+                advantages = self.estimator.compute(rewards, groups).float()
+            produced = {"advantages": advantages}
+            if self.writes_returns:
+                produced["returns"] = returns if returns is not None else rewards[:, None] * packed.response_mask
         self._stats[step] = {"advantage_s": time.perf_counter() - started, "bus_s": 0.0}
-        return advantages
+        return produced
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """What it reads from the bus: rewards, and the tokens when it needs them."""
+        tokens = self.token_level or self.writes_returns
+        return ("rewards", *(("input_ids", "rollout_logprobs", "lengths") if tokens else ()), *self.reads)
 
     def accept(self, step: int, batch: BusBatch, rewards: torch.Tensor) -> None:
         """Rows a reward loop in this worker took from the bus and scored: estimate, write both."""
-        advantages = self.estimate(step, rewards, group_ids(batch.meta))
-        self.env.bus.write_fields(batch, {"rewards": rewards, "advantages": advantages})
-        self.env.state.announce.remote(partition_of(step), "advantages")
+        produced = self.estimate(step, rewards, group_ids(batch.meta), batch.fields)
+        self.env.bus.write_fields(batch, {"rewards": rewards, **produced})
+        self.env.announce(step, "rewards", *produced)
 
     def step(self, step: int) -> dict[str, Any]:
-        return self.env.bus_task(step, self._stats, "rewards", ("rewards",), "advantage", self._from_bus)
+        return self.env.bus_task(step, self._stats, ("rewards", *self.reads), self.fields, "advantage",
+                                 self._from_bus)
 
     def _from_bus(self, step: int, batch: BusBatch) -> None:
-        advantages = self.estimate(step, batch["rewards"].float(), group_ids(batch.meta))
-        self.env.bus.write_fields(batch, {"advantages": advantages})
-        self.env.state.announce.remote(partition_of(step), "advantages")
+        produced = self.estimate(step, batch["rewards"].float(), group_ids(batch.meta), batch.fields)
+        self.env.bus.write_fields(batch, produced)
+        self.env.announce(step, *produced)
 
 
 class TrainLoop:
@@ -297,6 +474,11 @@ class TrainLoop:
         self.env, self.weights = env, weights
         spec = env.spec
         self.trainer = build_trainer(spec, env.model_path, env.threads)
+        # Token columns of the optional model roles, read (and waited for) with the advantages.
+        optional = tuple(column for column, role in (("ref_logprobs", "reference"), ("old_logprobs", "actor_fwd"))
+                         if getattr(spec.roles, role) is not None)
+        self.after = ("advantages", *optional)
+        self.fields = (*TRAIN_COLUMNS, *optional, *media_columns(spec))
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
         self.version = start_step
@@ -305,7 +487,7 @@ class TrainLoop:
     def step(self, step: int) -> dict[str, Any]:
         spec, env = self.env.spec, self.env
         t0 = time.perf_counter()
-        batch = env.take(step, "advantages", TRAIN_COLUMNS, "actor")
+        batch = env.take(step, self.after, self.fields, "actor")
         t1 = time.perf_counter()
         versions = [m.policy_version for m in batch.meta]
         lags = [step - v for v in versions]
@@ -333,8 +515,7 @@ class TrainLoop:
             with tel.span(CHECKPOINT, step=step, policy_version=self.version):
                 save_checkpoint(env.output_dir, self.version, self.trainer, spec.trainer.keep_checkpoints)
             checkpoint_s = time.perf_counter() - t4
-        env.bus.clear_soon(partition_of(step))
-        env.state.forget.remote(partition_of(step))
+        env.finish(step, "actor")
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags),
                 "staleness_mean": sum(lags) / len(lags),

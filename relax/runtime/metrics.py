@@ -44,6 +44,24 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         "data/order": rollout["data_order"],
     }
     row.update({f"train/{k}": v for k, v in actor["train"].items()})
+    # Per reward entry: mean, count, errors and time (``reward/<id>/mean`` ...).
+    row.update({f"reward/{k}": v for k, v in reward.get("rewards", {}).items()})
+    if "skipped_samples" in rollout:  # multimodal runs: rows replaced for bad media
+        row["data/skipped_samples"] = rollout["skipped_samples"]
+    if "sampling_rounds" in rollout:  # dynamic sampling (dapo)
+        row["sampling/rounds"] = rollout["sampling_rounds"]
+        row["sampling/filter_rate"] = rollout["sampling_filter_rate"]
+        row["sampling/topped_up_groups"] = rollout["sampling_topped_up"]
+    # The optional model roles: their compute counts as work; the critic's metrics are its own.
+    for name in ("reference", "actor_fwd", "critic_values"):
+        if name in reports:
+            row[f"time/{name}_s"] = reports[name]["forward_s"]
+            work += reports[name]["forward_s"]
+    if "critic" in reports:
+        row["time/critic_train_s"] = reports["critic"]["train_s"]
+        work += reports["critic"]["train_s"]
+        row.update({f"critic/{k}": v for k, v in reports["critic"]["train"].items()})
+    row["time/work_frac"] = work / step_s if step_s > 0 else 0.0
     return row
 
 

@@ -19,16 +19,35 @@ from relax.contracts import Generation
 
 #: Columns the rollout writes for every sample.
 ROLLOUT_COLUMNS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
-#: Columns the actor reads.
+#: Columns the actor always reads.
 TRAIN_COLUMNS = ("input_ids", "rollout_logprobs", "lengths", "advantages")
+#: Columns a role needs to rebuild a sample's tokens (reference, critic and actor_fwd read these).
+TOKEN_COLUMNS = ("input_ids", "lengths")
+#: Token columns written by other roles, attached to a ``TrainBatch`` when read.
+OPTIONAL_TOKEN_COLUMNS = ("ref_logprobs", "old_logprobs", "values", "returns")
+#: Per row, a multimodal sample's context (prompt text and media references) as a JSON string: the
+#: media travel by reference, never decoded (see ``relax.media``). Written only when the data has media.
+MEDIA_COLUMN = "media"
+
+
+def media_columns(spec: Any) -> tuple[str, ...]:
+    """The media column, for a run whose data has media (``data.media_keys``); else nothing."""
+    return (MEDIA_COLUMN,) if spec.data.media_keys else ()
+
+
+def token_columns(spec: Any) -> tuple[str, ...]:
+    """What a model role reads to rebuild a sample's model inputs: the tokens, and the media
+    references of a multimodal run."""
+    return (*TOKEN_COLUMNS, *media_columns(spec))
 
 
 def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: Sequence[Any],
-                    pad_token_id: int) -> dict[str, Any]:
-    """The bus columns of a step's generations (``prompts``/``labels`` indexed by prompt_index)."""
+                    pad_token_id: int, media: Sequence[str] | None = None) -> dict[str, Any]:
+    """The bus columns of a step's generations (``prompts``/``labels``/``media`` indexed by
+    prompt_index; ``media`` holds each prompt's JSON context when the data has media)."""
     packed = collate(gens, torch.zeros(len(gens)), pad_token_id)
     lengths = torch.tensor([[len(g.prompt_ids), len(g.response_ids)] for g in gens], dtype=torch.long)
-    return {
+    columns = {
         "prompt": [prompts[g.prompt_index] for g in gens],
         "response": [g.text for g in gens],
         "label": [labels[g.prompt_index] for g in gens],
@@ -36,10 +55,19 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
         "rollout_logprobs": packed.rollout_logprobs,
         "lengths": lengths,
     }
+    if media is not None:
+        columns[MEDIA_COLUMN] = [str(media[g.prompt_index]) for g in gens]
+    return columns
 
 
 def train_batch(columns: dict[str, Any], versions: Sequence[int]) -> TrainBatch:
-    """The actor's ``TrainBatch`` from the columns it read (the inverse of ``rollout_columns``)."""
+    """The ``TrainBatch`` of the columns a role read (the inverse of ``rollout_columns``).
+
+    Only ``input_ids`` and ``lengths`` are required: forward-only roles read no advantages (they
+    get zeros). A ``media`` column (multimodal runs) becomes the batch's ``media`` contexts. Optional token columns of other roles (``ref_logprobs``, ``old_logprobs``,
+    ``values``, ``returns``) are attached when present; ``advantages`` may be ``[B]`` (outcome
+    level) or ``[B, T]`` (token level). Token columns are zeroed off the response tokens.
+    """
     input_ids = columns["input_ids"].long()
     lengths = columns["lengths"].long()
     rows, width = input_ids.shape
@@ -49,12 +77,35 @@ def train_batch(columns: dict[str, Any], versions: Sequence[int]) -> TrainBatch:
     ends = (prompt_width + lengths[:, 1]).unsqueeze(1)
     attention_mask = ((column >= starts) & (column < ends)).long()
     response_mask = ((column >= prompt_width) & (column < ends)).float()
+
+    def tokens(name: str) -> torch.Tensor | None:
+        value = columns.get(name)
+        return None if value is None else value.float().reshape(rows, width) * response_mask
+
+    advantages = columns.get("advantages")
+    if advantages is None:
+        advantages = torch.zeros(rows)
+    elif advantages.numel() == rows:
+        advantages = advantages.float().reshape(rows)
+    else:
+        advantages = tokens("advantages")
+    rollout = columns.get("rollout_logprobs")
+    optional = {name: tokens(name) for name in OPTIONAL_TOKEN_COLUMNS if name in columns}
+    media = columns.get(MEDIA_COLUMN)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
         response_mask=response_mask,
-        rollout_logprobs=columns["rollout_logprobs"].float() * response_mask,
-        advantages=columns["advantages"].float().reshape(rows),
+        rollout_logprobs=(rollout.float() * response_mask if rollout is not None
+                          else torch.zeros(rows, width)),
+        advantages=advantages,
         policy_version=torch.tensor(list(versions), dtype=torch.long),
+        media=None if media is None else [str(m) for m in media],
+        **optional,
     )
+
+
+def token_column(batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:
+    """A ``[B, T]`` token tensor a role computed, in the bus layout (0 off the response tokens)."""
+    return (values.float() * batch.response_mask).contiguous()

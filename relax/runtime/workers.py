@@ -27,6 +27,7 @@ from relax.runtime.loops import (
     RunStopped,
     TrainLoop,
 )
+from relax.runtime.model_roles import CriticTrainLoop, CriticValueLoop, ForwardLoop
 from relax.spec.models import RunSpec
 from relax.telemetry import Telemetry
 
@@ -55,19 +56,34 @@ class RoleWorker:
         resume = Path(resume_from) if resume_from else None
         if resume is not None:
             restore_rng(resume)
+        # Weights go in memory only to a rollout in the actor's own process; everyone else (a
+        # rollout or an actor_fwd elsewhere) gets them through the object store.
         shared = InProcessWeights() if {"rollout", "actor"} <= set(roles) else None
         # The actor is built first so it publishes the starting weights before anyone waits.
         actor = TrainLoop(self.env, shared or ObjectStoreWeights(self.env), start_step, resume) if "actor" in roles else None
         rollout = RolloutLoop(self.env, shared or ObjectStoreWeights(self.env)) if "rollout" in roles else None
         reward = RewardLoop(self.env) if "reward" in roles else None
         advantage = AdvantageLoop(self.env) if "advantage" in roles else None
+        reference = ForwardLoop(self.env, "reference", "ref_logprobs") if "reference" in roles else None
+        # actor_fwd beside the actor reuses its backend: the actor's current weights *are* the
+        # proximal policy of the step about to be trained. Elsewhere it receives the weights.
+        actor_fwd = None
+        if "actor_fwd" in roles:
+            actor_fwd = (ForwardLoop(self.env, "actor_fwd", "old_logprobs", backend=actor.trainer) if actor is not None
+                         else ForwardLoop(self.env, "actor_fwd", "old_logprobs", weights=ObjectStoreWeights(self.env)))
+        critic_values = CriticValueLoop(self.env) if "critic" in roles else None
+        critic = CriticTrainLoop(self.env, critic_values) if critic_values is not None else None
         # Co-hosted roles pass a step's rows along in memory: the rollout to the scorer riding on
-        # it, the scorer to the advantage estimator; the last of them writes to the bus.
+        # it, the scorer to the advantage estimator; the last of them writes to the bus. An
+        # estimator that reads the critic's or the reference's columns waits for them on the bus.
+        inline = advantage if advantage is not None and not advantage.reads else None
         if rollout is not None:
-            rollout.scorer, rollout.estimator = reward, advantage
+            rollout.scorer, rollout.estimator = reward, inline
         elif reward is not None:
-            reward.handoff = advantage
-        self.loops: list[Any] = [loop for loop in (rollout, reward, advantage, actor) if loop is not None]
+            reward.handoff = inline
+        # One step of every hosted role, in data order.
+        self.loops: list[Any] = [loop for loop in (rollout, reward, reference, critic_values, advantage, actor_fwd,
+                                                   actor, critic) if loop is not None]
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""

@@ -21,6 +21,7 @@ Correction = Literal["none", "tis", "decoupled"]
 TracingExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
+BadSamplePolicy = Literal["error", "skip"]
 
 #: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
 PluginOptions = dict[str, Any]
@@ -77,11 +78,25 @@ class DataSpec(Section):
     label_key: str = "answer"
     """Column holding the label the rewards compare against."""
     media_keys: dict[Modality, str] = Field(default_factory=dict)
-    """Modality -> column holding that media, e.g. ``{image: images, audio: audios}``."""
+    """Modality -> column holding that media, e.g. ``{image: images, audio: audios}``. A cell holds
+    nothing (null), one item or a list of items; an item is a path (relative paths are taken from
+    the data file's folder), the bytes of a file, or an inline array."""
+    media_options: dict[Modality, PluginOptions] = Field(default_factory=dict)
+    """Budgets of each modality, checked against its ``relax.modalities`` plugin's ``Config``, e.g.
+    ``{image: {max_pixels: 262144}, audio: {sample_rate: 16000, max_seconds: 10}, video: {fps: 2,
+    max_frames: 16}}`` (see docs/omni.md)."""
+    on_bad_sample: BadSamplePolicy = "error"
+    """A sample whose media is missing, undecodable or over budget: ``error`` stops the run with a
+    message naming the sample and the column; ``skip`` replaces it by the next usable sample of the
+    data set and counts it in the ``data/skipped_samples`` metric."""
     shuffle: bool = True
     """Shuffle prompts each epoch with the run's seed (the order is reproducible and resumable)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt in tokens; longer prompts are truncated from the left. Used for memory plans."""
+    reward_key: str | None = None
+    """Column naming, per sample, the reward(s) that score it (a reward's ``id`` or ``name``, or a
+    list of them); samples without a value are scored by every reward. null: every reward scores
+    every sample."""
 
 
 class ClipSpec(Section):
@@ -91,22 +106,61 @@ class ClipSpec(Section):
     """Lower clip range (ratio >= 1 - low)."""
     high: float = Field(0.28, ge=0.0)
     """Upper clip range (ratio <= 1 + high); higher than ``low`` is DAPO's clip-higher."""
+    c: float | None = Field(None, gt=1.0)
+    """Dual-clip constant (ppo_clip): a token with a negative advantage loses at most ``c`` times
+    its advantage, however far its ratio grows; null turns the dual clip off (3 is common)."""
+
+
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+KLPlacement = Literal["loss", "reward"]
+
+
+class DynamicSamplingSpec(Section):
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
+
+    enabled: bool | None = None
+    """Drop every group whose rewards are all equal (no learning signal) and sample more prompts
+    until a step has ``prompts_per_step`` groups; null: on for dapo, off for the other names."""
+    max_rounds: int = Field(3, ge=1)
+    """Most sampling rounds per step; after them the step trains on the groups kept so far."""
 
 
 class AlgorithmSpec(Section):
-    """The RL algorithm: an advantage estimator and a policy loss, named together."""
+    """The RL algorithm: an advantage estimator and a policy loss, named together.
+
+    Fields left unset take the algorithm name's defaults (``relax.spec.algorithms``); a field set in
+    the spec always wins. See docs/algorithms.md for each algorithm's objective."""
 
     name: str = "grpo"
     """Algorithm name: grpo, dr_grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline, gspo, cispo,
-    sapo, dapo; it picks the advantage estimator and the loss unless they are set below."""
+    sapo, dapo; it picks the advantage estimator, the loss and the defaults of the fields below
+    unless they are set."""
     samples_per_prompt: int = Field(8, ge=1)
     """Responses sampled per prompt (the group size of group-based advantages)."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompts per training step; a step trains on prompts_per_step x samples_per_prompt samples."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL penalty to the reference policy; > 0 needs ``roles.reference``."""
+    kl_in: KLPlacement | None = None
+    """Where the KL penalty goes: ``loss`` (a term of the policy loss) or ``reward`` (a per-token
+    penalty inside a token-level estimator: reinforce_pp, reinforce_pp_baseline, gae); null:
+    reward for ppo, reinforce_pp and reinforce_pp_baseline, loss for the others."""
+    kl_estimator: KLEstimator | None = None
+    """KL estimator: k1 (log-ratio), k2 (half squared log-ratio) or k3 (``r - 1 - log r``); null:
+    k3 in the loss, k1 in the reward."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus subtracted from the policy loss (0 turns it off)."""
+    loss_aggregation: LossAggregation | None = None
+    """How per-token losses become one: token-mean, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (a constant ``max_new_tokens`` denominator); null: the algorithm's
+    (seq-mean-token-sum-norm for dr_grpo, seq-mean-token-mean for gspo, token-mean otherwise)."""
     clip: ClipSpec = Field(default_factory=ClipSpec)
-    """Ratio clipping of the policy loss."""
+    """Ratio clipping of the policy loss (default low 0.2, high 0.28; gspo's 3e-4, 4e-4)."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """Clip range of the critic's value loss around the values the advantages used; null: none."""
+    dynamic_sampling: DynamicSamplingSpec = Field(default_factory=DynamicSamplingSpec)
+    """DAPO's filter of groups without learning signal."""
     advantage: str | None = None
     """A ``relax.advantages`` plugin overriding the one the algorithm name implies."""
     advantage_options: PluginOptions = Field(default_factory=dict)
@@ -118,16 +172,56 @@ class AlgorithmSpec(Section):
     updates_per_step: int = Field(1, ge=1)
     """Optimizer steps per training step (the batch is split into this many mini-batches)."""
 
+    @model_validator(mode="after")
+    def _name_defaults(self) -> "AlgorithmSpec":
+        # Unset fields take the algorithm name's defaults; an unknown name is reported by the rules.
+        from relax.spec.algorithms import ALGORITHMS
+
+        recipe = ALGORITHMS.get(self.name)
+        if self.loss_aggregation is None:
+            self.loss_aggregation = recipe.loss_aggregation if recipe else "token-mean"
+        if self.kl_in is None:
+            self.kl_in = recipe.kl_in if recipe else "loss"
+        if self.kl_estimator is None:
+            self.kl_estimator = "k1" if self.kl_in == "reward" else "k3"
+        if self.dynamic_sampling.enabled is None:
+            self.dynamic_sampling.enabled = bool(recipe and recipe.dynamic_sampling)
+        if "clip" not in self.model_fields_set and recipe is not None and recipe.clip is not None:
+            self.clip = ClipSpec(low=recipe.clip[0], high=recipe.clip[1])
+        return self
+
+
+RewardErrorPolicy = Literal["fail", "zero"]
+
 
 class RewardSpec(Section):
     """One reward plugin; the rewards of all listed plugins are summed with their weights."""
 
     name: str
     """A ``relax.rewards`` plugin name."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    """A name for this entry, unique among the rewards (default: the plugin name): what
+    ``data.reward_key`` values and the per-reward metrics (``reward/<id>/mean``) use. Needed when
+    one plugin is listed twice."""
     weight: float = 1.0
     """Multiplier of this reward in the sum."""
     options: PluginOptions = Field(default_factory=dict)
     """Options of the reward plugin, checked against its ``Config``."""
+    timeout_s: float | None = Field(300.0, gt=0.0)
+    """Longest wait for this reward to score one batch; past it the batch is an error (see
+    ``on_error``). null waits without limit."""
+    on_error: RewardErrorPolicy = "fail"
+    """What a failing sample (an exception, a non-finite score, a timeout) does: ``fail`` stops the
+    run with an error naming the reward and the sample; ``zero`` scores it 0 and counts it in
+    ``reward/<id>/errors``."""
+    always: bool = False
+    """Score every sample, even those that ``data.reward_key`` routes to other rewards (e.g. a
+    length penalty next to per-source correctness rewards)."""
+
+    @property
+    def key(self) -> str:
+        """How routing and metrics name this entry: its ``id``, else its plugin name."""
+        return self.id or self.name
 
 
 class ParallelSpec(Section):
@@ -304,9 +398,10 @@ class AsyncPolicySpec(Section):
     0 is strictly on-policy."""
     correction: Correction = "tis"
     """Off-policy correction: none, tis (truncated importance sampling against the behaviour
-    log-probs) or decoupled (proximal log-probs recomputed by actor_fwd)."""
+    log-probs) or decoupled (the ratio against proximal log-probs recomputed by actor_fwd, times
+    the truncated weight proximal / behaviour)."""
     tis_cap: float = Field(2.0, gt=0.0)
-    """Upper truncation of the importance weight in tis."""
+    """Upper truncation of the importance weight in tis and decoupled."""
 
 
 class TrainerSpec(Section):

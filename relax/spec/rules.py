@@ -16,7 +16,7 @@ from typing import Any
 from relax.contracts import PluginKind
 from relax.registry import PluginError, Registry
 from relax.spec.algorithms import ALGORITHMS
-from relax.spec.architecture import ModelArchitecture
+from relax.spec.architecture import BUILTIN_PREFIX, ModelArchitecture
 from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 from relax.spec.translate import did_you_mean
@@ -57,6 +57,27 @@ def advantage_and_loss(spec: RunSpec) -> tuple[str | None, str | None]:
     return advantage, loss
 
 
+#: Token columns that other model roles write and an advantage estimator may read (its ``needs``).
+ROLE_COLUMNS = {"values": "critic", "ref_logprobs": "reference"}
+
+
+def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
+    """Columns of other model roles the run's advantage estimator reads: those in its ``needs``
+    (a token-level estimator's ClassVar) whose role is present. When there are any, advantages
+    cannot be computed inside the rollout worker before the batch reaches the bus."""
+    from relax.registry import PluginError, get_registry
+
+    advantage, _ = advantage_and_loss(spec)
+    if advantage is None:
+        return ()
+    try:
+        estimator = get_registry().load(PluginKind.advantages, advantage)
+    except PluginError:
+        return ()
+    needs = getattr(estimator, "needs", frozenset()) if getattr(estimator, "token_level", False) else frozenset()
+    return tuple(sorted(c for c in needs if getattr(spec.roles, ROLE_COLUMNS.get(c, ""), None) is not None))
+
+
 def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any], str]]:
     """Every plugin the spec names: (kind, name, options, path of its name in the spec)."""
     for i, reward in enumerate(spec.rewards):
@@ -74,6 +95,8 @@ def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any]
         yield PluginKind.advantages, advantage, spec.algorithm.advantage_options, "algorithm"
     if loss:
         yield PluginKind.losses, loss, spec.algorithm.loss_options, "algorithm"
+    for modality in spec.data.media_keys:
+        yield PluginKind.modalities, modality, spec.data.media_options.get(modality, {}), f"data.media_options.{modality}"
 
 
 def _name_path(kind: PluginKind, path: str) -> str:
@@ -84,8 +107,9 @@ def _name_path(kind: PluginKind, path: str) -> str:
         PluginKind.trainer: "backend",
         PluginKind.advantages: "advantage",
         PluginKind.losses: "loss",
+        PluginKind.modalities: "",
     }[kind]
-    return f"{path}.{suffix}"
+    return f"{path}.{suffix}" if suffix else path
 
 
 def _options_path(kind: PluginKind, path: str) -> str:
@@ -93,6 +117,8 @@ def _options_path(kind: PluginKind, path: str) -> str:
         return f"{path}.advantage_options"
     if kind is PluginKind.losses:
         return f"{path}.loss_options"
+    if kind is PluginKind.modalities:
+        return path
     return f"{path}.options"
 
 
@@ -119,37 +145,97 @@ def _check_data_file(path: Path, ctx: RuleContext, spec_path: str) -> Iterator[S
                         "give an existing file; relative paths are taken from the spec's folder")
 
 
+def _token_needs(estimator: type | None) -> frozenset[str]:
+    """Token tensors of other roles a token-level estimator may read (its ``needs``)."""
+    if estimator is None or not getattr(estimator, "token_level", False):
+        return frozenset()
+    return frozenset(getattr(estimator, "needs", frozenset()))
+
+
 def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
-    """The algorithm name is known (or both halves are given) and its needs are met."""
+    """The algorithm name is known (or both halves are given), its roles run, a KL penalty or an
+    entropy bonus has a part that takes it, and group-based parts get groups."""
     algo = spec.algorithm
     recipe = ALGORITHMS.get(algo.name)
     if recipe is None and not (algo.advantage and algo.loss):
         yield SpecIssue("algorithm.name", f"unknown algorithm '{algo.name}'",
                         f"{did_you_mean(algo.name, ALGORITHMS)} Or set algorithm.advantage and algorithm.loss")
-    if recipe is not None and recipe.needs_critic and spec.roles.critic is None:
-        yield SpecIssue("roles.critic", f"algorithm '{algo.name}' needs a critic (value model)",
+    advantage, loss = advantage_and_loss(spec)
+    estimator = ctx.plugin(PluginKind.advantages, advantage) if advantage else None
+    loss_cls = ctx.plugin(PluginKind.losses, loss) if loss else None
+    needs_critic = (recipe is not None and recipe.needs_critic) or "values" in _token_needs(estimator)
+    if needs_critic and spec.roles.critic is None:
+        yield SpecIssue("roles.critic", f"algorithm '{algo.name}' needs a critic (value model) for the "
+                        f"advantage '{advantage}'",
                         "add a roles.critic block, or choose a critic-free algorithm such as grpo")
     if algo.kl_coef > 0 and spec.roles.reference is None:
         yield SpecIssue("algorithm.kl_coef", f"kl_coef {algo.kl_coef} needs a reference policy",
                         "add a roles.reference block, or set algorithm.kl_coef to 0")
-    advantage, _ = advantage_and_loss(spec)
-    estimator = ctx.plugin(PluginKind.advantages, advantage) if advantage else None
-    if estimator is not None and getattr(estimator, "group_based", False) and algo.samples_per_prompt < 2:
+    if (algo.kl_coef > 0 and algo.kl_in == "reward" and estimator is not None
+            and "ref_logprobs" not in _token_needs(estimator)):
+        yield SpecIssue("algorithm.kl_in",
+                        f"the KL penalty goes in the reward, but the advantage '{advantage}' is not a "
+                        "token-level estimator that reads reference log-probs, so it would be ignored",
+                        "set algorithm.kl_in: loss, or use a token-level estimator "
+                        "(reinforce_pp, reinforce_pp_baseline, gae)")
+    if algo.entropy_coef > 0 and loss_cls is not None and not hasattr(loss_cls, "needs_entropy"):
+        yield SpecIssue("algorithm.entropy_coef",
+                        f"{algo.entropy_coef} asks for an entropy bonus, but the loss '{loss}' does not "
+                        "take entropy (it declares no needs_entropy)",
+                        "set algorithm.entropy_coef to 0, or choose a loss that takes it (ppo_clip, gspo, "
+                        "cispo, sapo)")
+    group_based = estimator is not None and getattr(estimator, "group_based", False)
+    if group_based and algo.samples_per_prompt < 2:
         yield SpecIssue("algorithm.samples_per_prompt",
                         f"{algo.samples_per_prompt} is too few for the group-based advantage '{advantage}'",
                         "use 2 or more (8 is common), or choose a non-group estimator")
+    if algo.dynamic_sampling.enabled and estimator is not None and not group_based:
+        yield SpecIssue("algorithm.dynamic_sampling.enabled",
+                        f"dynamic sampling drops groups whose rewards are all equal, but the advantage "
+                        f"'{advantage}' is not group-based",
+                        "set it to false, or use a group-based estimator such as grpo")
+    elif algo.dynamic_sampling.enabled and algo.samples_per_prompt < 2 and not group_based:
+        yield SpecIssue("algorithm.dynamic_sampling.enabled",
+                        f"dynamic sampling needs groups, but samples_per_prompt is {algo.samples_per_prompt} "
+                        "(every group of one would be dropped)",
+                        "set algorithm.samples_per_prompt to 2 or more, or set this to false")
+    if algo.dynamic_sampling.enabled and spec.roles.reward.host != "rollout":
+        yield SpecIssue("algorithm.dynamic_sampling.enabled",
+                        "dynamic sampling scores each round before the batch is put on the bus, which "
+                        "only the scorer riding in the rollout worker can do",
+                        "set roles.reward.host: rollout, or set this to false")
 
 
 def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
-    """Colocated runs are on-policy; decoupled correction needs the proximal policy role."""
+    """Colocated runs are on-policy; decoupled correction needs the proximal policy role; a part
+    without an importance ratio bounds the staleness, and the loss honours the correction."""
     staleness = spec.async_policy.max_staleness
     if spec.placement.mode == "colocate" and staleness != 0:
         yield SpecIssue("async_policy.max_staleness",
                         f"{staleness} is not possible in colocate mode (rollout and training alternate)",
                         "set it to 0, or use placement.mode separate or hybrid for asynchronous training")
-    if spec.async_policy.correction == "decoupled" and spec.roles.actor_fwd is None:
+    correction = spec.async_policy.correction
+    if correction == "decoupled" and spec.roles.actor_fwd is None:
         yield SpecIssue("async_policy.correction", "decoupled needs proximal log-probs from roles.actor_fwd",
                         "add a roles.actor_fwd block, or use correction tis")
+    advantage, loss = advantage_and_loss(spec)
+    parts = [("advantage", PluginKind.advantages, advantage), ("loss", PluginKind.losses, loss)]
+    for what, kind, name in parts:
+        cls = ctx.plugin(kind, name) if name else None
+        tolerated = getattr(cls, "tolerated_staleness", None) if cls is not None else None
+        if tolerated is not None and staleness > tolerated:
+            yield SpecIssue("async_policy.max_staleness",
+                            f"{staleness} is more than the {what} '{name}' tolerates ({tolerated}): it has no "
+                            "importance ratio to correct for samples of older policies",
+                            f"set it to {tolerated}, or choose a {what} with an importance ratio"
+                            + (" (ppo_clip, gspo, cispo, sapo)" if what == "loss" else ""))
+    loss_cls = ctx.plugin(PluginKind.losses, loss) if loss else None
+    honoured = getattr(loss_cls, "corrections", None) if loss_cls is not None else None
+    if honoured is not None and correction not in honoured:
+        yield SpecIssue("async_policy.correction",
+                        f"the loss '{loss}' does not honour correction {correction} "
+                        f"(it honours {', '.join(sorted(honoured))})",
+                        f"set it to {' or '.join(sorted(honoured))}, or choose another loss")
 
 
 def _pooled_roles(spec: RunSpec) -> list[str]:
@@ -230,7 +316,7 @@ def _check_parallel_shape(path: str, gpus: int, role: Any, arch: ModelArchitectu
                 yield SpecIssue(f"{path}.parallel.{key}",
                                 f"backend '{backend_name}' does not support {key} (it supports "
                                 f"{', '.join(sorted(supported))})",
-                                f"set it to 1, or choose a backend with {key} (e.g. megatron)")
+                                f"set it to 1, or choose a backend that supports {key}")
     if gpus % par.model_parallel:
         yield SpecIssue(f"{path}.parallel", f"tp x pp x cp = {par.model_parallel} does not divide the "
                         f"role's {gpus} GPUs", "choose sizes whose product divides the GPU count")
@@ -278,6 +364,10 @@ def check_modalities(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
         if modality not in wanted:
             yield SpecIssue(f"data.media_keys.{modality}", f"{modality} is not in model.modalities",
                             f"add {modality} to model.modalities, or remove this key")
+    for modality in spec.data.media_options:
+        if modality not in spec.data.media_keys:
+            yield SpecIssue(f"data.media_options.{modality}", f"budgets for {modality}, but data.media_keys names "
+                            f"no {modality} column", f"add data.media_keys.{modality}, or remove these options")
     arch = ctx.architecture
     if arch is not None:
         for modality in wanted:
@@ -298,6 +388,111 @@ def check_modalities(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                 yield SpecIssue(path, f"backend '{name}' does not support {modality} "
                                 f"(it supports {', '.join(sorted(supported))})",
                                 "choose a backend that supports it, or remove it from model.modalities")
+
+
+#: Rows of a data file whose media files validation checks (the rest are checked as the run reads them).
+MEDIA_ROWS_CHECKED = 10_000
+
+
+def check_media_files(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Media files that a ``.jsonl`` data file names exist and pass their modality plugin's cheap
+    standard-library probe (not truncated, not empty, a known format): each problem names the row
+    and the column. Relative media paths are taken from the data file's folder."""
+    import json
+
+    if not spec.data.media_keys:
+        return
+    probes: dict[str, Any] = {}
+    for modality in spec.data.media_keys:
+        cls = ctx.plugin(PluginKind.modalities, modality)
+        if cls is None or not hasattr(cls, "probe"):
+            continue
+        try:
+            probes[modality] = cls(cls.Config.model_validate(spec.data.media_options.get(modality, {})))
+        except Exception:  # bad options are reported by check_plugins
+            continue
+    for split in ("train", "eval"):
+        source = getattr(spec.data, split)
+        if source is None or Path(source.source).suffix.lower() not in (".jsonl", ".json"):
+            continue
+        data_file = Path(source.source) if Path(source.source).is_absolute() else ctx.base_dir / source.source
+        if not data_file.is_file():
+            continue  # reported by check_plugins
+        with open(data_file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle):
+                if number >= MEDIA_ROWS_CHECKED:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    break  # the dataset plugin reports malformed lines
+                for modality, key in spec.data.media_keys.items():
+                    yield from _check_media_cell(row.get(key) if isinstance(row, dict) else None, number, key,
+                                                 probes.get(modality), data_file.parent, f"data.{split}.source",
+                                                 spec.data.on_bad_sample)
+
+
+def _check_media_cell(cell: Any, row: int, key: str, plugin: Any, folder: Path, path: str,
+                      policy: str) -> Iterator[SpecIssue]:
+    items = cell if isinstance(cell, list) and all(isinstance(v, str) for v in cell) else [cell]
+    hint = ("fix or remove the file, or set data.on_bad_sample: skip to skip such samples"
+            if policy == "error" else "this sample will be skipped (data.on_bad_sample: skip)")
+    for item in items:
+        if not isinstance(item, str):
+            continue  # inline items are checked when the run reads them
+        media = Path(item).expanduser()
+        media = media if media.is_absolute() else folder / media
+        if not media.exists():
+            problem = f"media file {item} does not exist (looked at {media})"
+        elif media.is_file() and media.stat().st_size == 0:
+            problem = f"media file {item} is empty (0 bytes)"
+        else:
+            found = plugin.probe(media) if plugin is not None else None
+            problem = f"media file {item} {found}" if found else None
+        if problem:
+            if policy == "skip":
+                continue  # not an error: the run skips it and counts it
+            yield SpecIssue(path, f"sample {row}, column '{key}': {problem}", hint)
+
+
+def check_rewards(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Reward entries have distinct keys; a model-based reward (a judge) gets reward workers of its
+    own, and the backend that serves its model is installed and accepts its options."""
+    seen: dict[str, int] = {}
+    for i, reward in enumerate(spec.rewards):
+        if reward.key in seen:
+            yield SpecIssue(f"rewards[{i}].id", f"'{reward.key}' also names rewards[{seen[reward.key]}]",
+                            "give each entry its own id (routing and per-reward metrics use it)")
+        seen.setdefault(reward.key, i)
+        cls = ctx.plugin(PluginKind.rewards, reward.name)
+        if cls is None or not getattr(cls, "model_based", False):
+            continue
+        if spec.roles.reward.host != "own":
+            yield SpecIssue("roles.reward.host", f"rewards[{i}] ('{reward.name}') serves a model, which must not "
+                            "share the rollout worker's process", "set roles.reward.host: own")
+        try:
+            config = cls.Config.model_validate(reward.options)
+        except Exception:  # reported by check_plugins with its path
+            continue
+        # Convention of model-based rewards: ``model``/``model_options`` name the model like
+        # ``model.path``/``model.options`` do, ``backend``/``backend_options`` the rollout plugin serving it.
+        nested = [(PluginKind.rollout, getattr(config, "backend", None), getattr(config, "backend_options", None),
+                   "backend")]
+        model = getattr(config, "model", None)
+        if isinstance(model, str) and model.startswith(BUILTIN_PREFIX):
+            nested.append((PluginKind.models, model[len(BUILTIN_PREFIX):], getattr(config, "model_options", None),
+                           "model"))
+        for kind, name, options, field_name in nested:
+            if not (isinstance(name, str) and isinstance(options, dict)):
+                continue
+            try:
+                ctx.registry.load(kind, name)
+            except PluginError as exc:
+                yield SpecIssue(f"rewards[{i}].options.{field_name}", str(exc), "")
+                continue
+            yield from ctx.registry.validate_options(kind, name, options, f"rewards[{i}].options.{field_name}_options")
 
 
 def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
@@ -324,6 +519,8 @@ RULES: tuple[Rule, ...] = (
     check_gpus,
     check_parallel,
     check_modalities,
+    check_media_files,
+    check_rewards,
     check_tracing,
 )
 

@@ -1,7 +1,10 @@
 """``torch``: a plain PyTorch train backend on a Hugging Face causal LM (CPU or one GPU).
 
 Forward-only roles (reference, actor_fwd) build it too and only call ``compute_logprobs``; a role
-with an ``optimizer`` block (actor, critic) also trains. Log-probs are those of
+with an ``optimizer`` block (actor, critic) also trains. The critic is the same model body with a
+one-output token head (``AutoModelForTokenClassification``, head initialised to zero so the first
+values are 0): ``compute_values`` gives the value of every token's state and ``train_step``
+minimises the clipped value loss against the advantage role's ``returns``. Log-probs are those of
 ``softmax(logits / T)`` with ``T`` the rollout's sampling temperature (1 when sampling is greedy),
 matching the distribution the ``hf`` rollout samples from.
 """
@@ -9,9 +12,6 @@ matching the distribution the ``hf`` rollout samples from.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,8 +26,8 @@ STATE_FILE = "trainer_state.json"
 class TorchTrainer:
     """Micro-batched forward/backward with gradient accumulation, grad clipping and one optimizer."""
 
-    #: Inputs the backend accepts through the model's own Hugging Face processor. Only text is
-    #: fed by the runtime today; it refuses other modalities at launch (see relax.runtime.launch).
+    #: Inputs the backend accepts: media through the model's own Hugging Face processor
+    #: (``relax_plugins.processing``, shared with the hf rollout).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
     #: The planner's memory estimate assumes FSDP (weights, gradients and optimizer state sharded
@@ -65,13 +65,50 @@ class TorchTrainer:
         self.temperature = config.logprob_temperature or (sampling_t if sampling_t > 0 else 1.0)
         torch.manual_seed(context.seed)
         self.model_path = context.model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         dtype = getattr(torch, spec.model.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
+        self.is_critic = context.role == "critic"
+        from relax.media import MediaSet
+
+        self.media = MediaSet.from_spec(spec)
+        """The run's modality plugins (None for text runs): each row's media are rebuilt from their
+        references through the same plugins and processor the rollout used."""
+        self.encoder: Any = None
+        self.masked: list[int] = []
+        if self.media is not None:
+            if self.is_critic:
+                raise ValueError("the torch critic reads text only; a multimodal run (data.media_keys) cannot have "
+                                 "roles.critic: use a critic-free algorithm such as grpo")
+            from relax_plugins.processing import SampleEncoder, load_processor
+
+            self.processor = load_processor(context.model_path)
+            self.tokenizer = self.processor.tokenizer
+            self.encoder = SampleEncoder(self.processor, self.media, int(spec.data.max_prompt_tokens))
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        if self.media is not None:
+            from relax_plugins.processing import load_policy_model, placeholder_token_ids
+
+            self.model = load_policy_model(context.model_path, dtype, multimodal=True)
+            self.masked = placeholder_token_ids(self.model.config)
+        elif self.is_critic:
+            from transformers import AutoConfig, AutoModelForTokenClassification
+
+            config = AutoConfig.from_pretrained(context.model_path, num_labels=1)
+            config.classifier_dropout = 0.0  # a value target needs no dropout noise
+            self.model = AutoModelForTokenClassification.from_pretrained(context.model_path, config=config, dtype=dtype)
+            head = getattr(self.model, "score", None) or getattr(self.model, "classifier", None)
+            if head is None:
+                raise ValueError(f"{context.model_path}: the token-classification head of this architecture is "
+                                 "neither 'score' nor 'classifier'; the torch critic cannot zero it")
+            with torch.no_grad():
+                for param in head.parameters():
+                    param.zero_()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
         self.model.to(self.device).eval()
         if getattr(self.role, "gradient_checkpointing", False):
             self.model.gradient_checkpointing_enable()
-        self.loss = context.loss
+        self.loss = ValueObjective(spec) if self.is_critic else context.loss
         self.optimizer_spec = getattr(self.role, "optimizer", None)
         self.optimizer = self._build_optimizer() if self.optimizer_spec is not None else None
         self.version = 0
@@ -92,21 +129,90 @@ class TorchTrainer:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _logprobs(self, batch: Any) -> Any:
-        """Token log-probs ``[b, t]`` of a (trimmed) micro-batch, with the graph when grad is on."""
-        from relax.algo.batch import token_logprobs
-
-        logits = self.model(
+    def _logits(self, batch: Any) -> Any:
+        if self.encoder is not None:
+            return self._media_logits(batch)
+        return self.model(
             input_ids=batch.input_ids.to(self.device),
             attention_mask=batch.attention_mask.to(self.device),
             position_ids=batch.position_ids.to(self.device),
             use_cache=False,
         ).logits
-        return token_logprobs(logits, batch.input_ids.to(self.device), self.temperature)
+
+    def model_inputs(self, batch: Any) -> dict[str, Any]:
+        """The full model inputs of a multimodal batch: tokens and mask, plus each row's media
+        tensors rebuilt from its references by ``relax_plugins.processing`` (the rollout's own
+        function). Each row's prompt tokens must equal the ones rebuilt here, so the log-probs
+        are recomputed on exactly what the rollout generated from. Positions are left to the
+        model (multimodal rotary positions follow from the tokens, the mask and the grids)."""
+        from relax.media import loads_context
+        from relax_plugins.processing import batch_media
+
+        if batch.media is None:
+            raise ValueError("a multimodal run's batch has no media contexts; the 'media' column did not reach "
+                             "the trainer (read it with the batch: relax.runtime.rows.token_columns)")
+        samples = []
+        prompt_part = batch.attention_mask.bool() & ~batch.response_mask.bool()
+        for i, context in enumerate(batch.media):
+            prompt, refs = loads_context(context)
+            sample = self.encoder(prompt, refs)
+            given = batch.input_ids[i][prompt_part[i]].tolist()
+            if given != sample.prompt_ids:
+                raise RuntimeError(f"row {i}: the rollout generated from {len(given)} prompt tokens but the trainer "
+                                   f"rebuilt {len(sample.prompt_ids)} different ones from the same media references; "
+                                   "the rollout and the trainer must use the same processor and media options")
+            samples.append(sample)
+        return {"input_ids": batch.input_ids.to(self.device), "attention_mask": batch.attention_mask.to(self.device),
+                **{k: v.to(self.device) for k, v in batch_media(samples).items()}}
+
+    def _media_logits(self, batch: Any) -> Any:
+        from relax_plugins.processing import mask_placeholders
+
+        logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+        return mask_placeholders(logits, self.masked)
+
+    def _logprobs(self, batch: Any) -> Any:
+        """Token log-probs ``[b, t]`` of a (trimmed) micro-batch, with the graph when grad is on."""
+        from relax.algo.batch import token_logprobs
+
+        return token_logprobs(self._logits(batch), batch.input_ids.to(self.device), self.temperature)
+
+    def _values(self, batch: Any) -> Any:
+        """Critic values ``[b, t]``: entry t is the value of the state before token t (the head's
+        output at column t - 1), the alignment of the log-probs; 0 at column 0."""
+        import torch
+
+        head = self._logits(batch)[..., 0].float()
+        return torch.nn.functional.pad(head[:, :-1], (1, 0), value=0.0)
+
+    def _objective(self, micro: Any) -> tuple[Any, dict[str, float]]:
+        """The loss of one micro-batch: the value loss (critic) or the policy loss, which gets the
+        per-token entropy too when it asks for it (``needs_entropy``)."""
+        if self.is_critic:
+            return self.loss.compute(micro, self._values(micro))
+        if getattr(self.loss, "needs_entropy", False):
+            from relax.algo.batch import token_logprobs
+
+            logits = self._logits(micro)
+            input_ids = micro.input_ids.to(self.device)
+            return self.loss.compute(micro, token_logprobs(logits, input_ids, self.temperature),
+                                     entropy=_token_entropy(logits, self.temperature))
+        return self.loss.compute(micro, self._logprobs(micro))
 
     def compute_logprobs(self, batch: Any) -> Any:
         """``[B, T]`` float32 log-probs of every token under the current weights (CPU, no grad);
         entry t is ``log p(token_t | tokens_<t)``, 0 at column 0."""
+        if self.is_critic:
+            raise RuntimeError("roles.critic holds a value model: it computes values, not log-probs")
+        return self._per_token(batch, self._logprobs)
+
+    def compute_values(self, batch: Any) -> Any:
+        """``[B, T]`` float32 critic values (CPU, no grad), aligned like the log-probs."""
+        if not self.is_critic:
+            raise RuntimeError(f"roles.{self.context.role} is a policy, not a critic: it has no values")
+        return self._per_token(batch, self._values)
+
+    def _per_token(self, batch: Any, forward: Any) -> Any:
         import torch
 
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
@@ -116,7 +222,7 @@ class TorchTrainer:
                 rows = slice(start, start + self.micro_batch_size)
                 part = batch.select(rows)
                 cols = part.used_columns()
-                out[rows, cols] = self._logprobs(part.select_columns(cols)).float().cpu()
+                out[rows, cols] = forward(part.select_columns(cols)).float().cpu()
         return out
 
     # -- training ---------------------------------------------------------------------------------
@@ -145,16 +251,14 @@ class TorchTrainer:
         if dist is not None and batch.batch_size < updates:
             raise ValueError(f"this rank got {batch.batch_size} samples, fewer than "
                              f"algorithm.updates_per_step={updates}; give each rank at least that many")
-        token_weighted = getattr(self.loss, "aggregation", "token_mean") == "token_mean"
+        from relax_plugins.trainer.steps import add_weighted, micro_batch_share, minibatch_bounds, step_result
+
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.optimizer_spec.grad_clip
-        bounds = [round(i * batch.batch_size / updates) for i in range(updates + 1)]
         totals: dict[str, float] = {}
         taken = 0
         self.model.train()
-        for lo, hi in zip(bounds, bounds[1:]):
-            if hi == lo:
-                continue
+        for lo, hi in minibatch_bounds(batch.batch_size, updates):
             minibatch = batch.select(slice(lo, hi))
             tokens, rows = float(minibatch.num_response_tokens), float(minibatch.batch_size)
             if dist is not None:
@@ -165,12 +269,10 @@ class TorchTrainer:
             stats: dict[str, float] = {}
             for micro in minibatch.split(self.micro_batch_size):
                 micro = micro.to(self.device)
-                share = (micro.num_response_tokens / tokens if token_weighted and tokens
-                         else micro.batch_size / rows)
-                loss, metrics = self.loss.compute(micro, self._logprobs(micro))
+                share = micro_batch_share(self.loss, micro, tokens, rows)
+                loss, metrics = self._objective(micro)
                 (loss * share).backward()
-                for key, value in {"loss": float(loss.item()), **metrics}.items():
-                    stats[key] = stats.get(key, 0.0) + share * float(value)
+                add_weighted(stats, float(loss.item()), metrics, share)
             if dist is not None:
                 _sum_over_ranks(dist, params, stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
@@ -182,12 +284,7 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.version += 1
-        result = {key: value / max(taken, 1) for key, value in totals.items()}
-        result["tokens"] = float(batch.num_response_tokens)
-        result["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        result["updates"] = float(taken)
-        result["version"] = float(self.version)
-        return result
+        return step_result(totals, taken, batch.num_response_tokens, self.optimizer, self.version)
 
     # -- weights and checkpoints -------------------------------------------------------------------
 
@@ -197,6 +294,14 @@ class TorchTrainer:
 
         return state_copy(self.model)
 
+    def load_weights(self, weights: dict[str, Any], version: int) -> None:
+        """Replace the weights in place with a full HF ``state_dict`` (how a forward-only role
+        such as actor_fwd follows the actor) and record their policy ``version``."""
+        from relax_plugins.hf_weights import load_state
+
+        load_state(self.model, weights)
+        self.version = int(version)
+
     def save(self, path: str) -> None:
         """Write a checkpoint folder atomically: an HF model folder (safetensors + tokenizer) plus
         ``optimizer.pt`` and ``trainer_state.json``. It is written beside ``path`` and renamed into
@@ -204,25 +309,15 @@ class TorchTrainer:
         parallelism call it on one rank only (the replicas are identical)."""
         import torch
 
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        from relax_plugins.trainer.steps import atomic_folder
+
+        with atomic_folder(path) as staging:
             self.model.save_pretrained(staging, safe_serialization=True)
-            self.tokenizer.save_pretrained(staging)
+            # A multimodal checkpoint carries its processor (what AutoProcessor loads), else the tokenizer.
+            (self.processor if self.encoder is not None else self.tokenizer).save_pretrained(staging)
             if self.optimizer is not None:
                 torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
             (staging / STATE_FILE).write_text(json.dumps({"version": self.version}))
-            old = None
-            if target.exists():
-                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(target, old)
-            os.replace(staging, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
 
     def load(self, path: str) -> None:
         """Restore the weights, the optimizer state and the version from a ``save`` folder."""
@@ -273,3 +368,35 @@ def _sum_over_ranks(dist: Any, params: list[Any], stats: dict[str, float]) -> No
     values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(values)
     stats.update({k: float(v) for k, v in zip(keys, values)})
+
+
+def _token_entropy(logits: Any, temperature: float) -> Any:
+    """Entropy ``[b, t]`` of the policy's distribution over token t (from the logits at column
+    t - 1, scaled by the temperature), aligned like the log-probs; 0 at column 0."""
+    import torch
+
+    scaled = logits[:, :-1].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
+
+
+class ValueObjective:
+    """The critic's loss: the clipped value loss (``relax.algo.losses.value_loss``) of its values
+    against the step's ``returns``, around the values it wrote for the step (``batch.values``),
+    averaged over response tokens."""
+
+    aggregation = "token-mean"
+
+    def __init__(self, spec: Any) -> None:
+        self.clip = getattr(spec.algorithm, "value_clip", 0.2)
+
+    def compute(self, batch: Any, values: Any) -> tuple[Any, dict[str, float]]:
+        from relax.algo.losses import value_loss
+
+        if batch.returns is None or batch.values is None:
+            raise ValueError("the critic's batch has no returns or values; they come from the advantage role "
+                             "and the critic's own forward pass")
+        return value_loss(values, batch.values, batch.returns, batch.response_mask, self.clip)

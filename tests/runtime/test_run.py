@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
-import ray
 
-from relax.config import load_spec_dict
-from relax.plan import make_plan
+from relax import testing
 from relax.runtime.launch import run_spec
-from relax.spec import validate_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -20,25 +16,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(scope="module")
 def local_ray():
     """One Ray for the module (each run still starts and closes its own bus and workers)."""
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with testing.local_ray():
+        yield
 
 
-def tiny(tmp_path: Path, name: str, *overrides: str):
-    raw, base = load_spec_dict("tiny-cpu", [f"name={name}", f"trainer.output_dir={tmp_path / name}",
-                                            "trainer.steps=3", "tracing.exporter=none", *overrides])
-    spec = validate_spec(raw, base_dir=base)
-    return spec, make_plan(spec, base_dir=base), base
-
-
-def run(tmp_path: Path, name: str, *overrides: str, resume: bool = False) -> tuple[int, list[dict], str]:
-    spec, plan, base = tiny(tmp_path, name, *overrides)
-    out = io.StringIO()
-    code = run_spec(spec, plan, base_dir=base, resume=resume, stream=out)
-    metrics = tmp_path / name / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return code, rows, out.getvalue()
+tiny = testing.tiny_spec
+run = testing.tiny_run
 
 
 MODES = [("colocate", 0), ("separate", 0), ("separate", 1), ("separate", 2), ("hybrid", 1),
@@ -111,9 +94,8 @@ def test_a_role_failure_stops_the_run_with_its_cause(local_ray, tmp_path: Path, 
 
 
 def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys) -> None:
-    raw, base = load_spec_dict("qwen3-4b-grpo-async", [f"trainer.output_dir={tmp_path / 'gpu'}"])
-    spec = validate_spec(raw, base_dir=base)
-    assert run_spec(spec, make_plan(spec, base_dir=base), base_dir=base) == 1
+    spec, plan, base = tiny(tmp_path, "gpu", preset="qwen3-4b-grpo-async")
+    assert run_spec(spec, plan, base_dir=base) == 1
     assert "asks for 8 GPU(s) but this machine has 0" in capsys.readouterr().err
     assert not (tmp_path / "gpu").exists()  # stopped before creating anything
 

@@ -1,0 +1,76 @@
+"""What every trainer backend's train step and checkpoint have in common.
+
+The ``torch`` and ``megatron`` backends must give the same update for the same batch (a
+conformance test holds them to it), so the rules that decide it live here once: how a step's batch
+splits into mini-batches, how much each micro-batch's loss weighs, what a step reports, and how a
+checkpoint folder is written so that a crash never leaves half of one.
+
+Imported inside the backends' methods (it needs torch for nothing but the optimizer's lr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def minibatch_bounds(rows: int, updates: int) -> list[tuple[int, int]]:
+    """``updates`` consecutive, as-equal-as-possible row ranges of a batch; empty ones dropped."""
+    bounds = [round(i * rows / updates) for i in range(updates + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def micro_batch_share(loss: Any, micro: Any, tokens: float, rows: float) -> float:
+    """The weight of one micro-batch's loss in its mini-batch: its share of the mini-batch's
+    response tokens when the loss's ``aggregation`` is token-mean (the default when a loss does not
+    say; ``token_mean`` is read the same), else its share of rows. ``tokens`` and ``rows`` are the
+    mini-batch's, summed over data-parallel ranks. Summing ``share * loss`` over micro-batches then
+    gives exactly the loss (and gradient) of the whole mini-batch."""
+    aggregation = str(getattr(loss, "aggregation", "token-mean")).replace("_", "-")
+    if aggregation == "token-mean" and tokens:
+        return micro.num_response_tokens / tokens
+    return micro.batch_size / rows
+
+
+def add_weighted(stats: dict[str, float], loss: float, metrics: dict[str, float], share: float) -> None:
+    """Accumulate one micro-batch's loss and metrics, weighted by its share."""
+    for key, value in {"loss": loss, **metrics}.items():
+        stats[key] = stats.get(key, 0.0) + share * float(value)
+
+
+def step_result(totals: dict[str, float], taken: int, tokens: int, optimizer: Any, version: int) -> dict[str, float]:
+    """What ``train_step`` returns: the mean over updates of the summed stats, plus ``tokens``
+    (this rank's response tokens), ``lr``, ``updates`` and ``version``."""
+    result = {key: value / max(taken, 1) for key, value in totals.items()}
+    result["tokens"] = float(tokens)
+    result["lr"] = float(optimizer.param_groups[0]["lr"])
+    result["updates"] = float(taken)
+    result["version"] = float(version)
+    return result
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """A staging folder beside ``path`` to write a checkpoint into; on success it replaces
+    ``path`` by two renames, so ``path`` is always either the old checkpoint or the new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+        os.replace(staging, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
