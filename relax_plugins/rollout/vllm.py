@@ -1,0 +1,461 @@
+"""``vllm``: a rollout backend on vLLM's v1 async engine (``AsyncLLM``).
+
+The engine runs in its own processes (an engine core and one worker per rank, spawned by vLLM);
+this object drives it from a private asyncio loop on a background thread, so ``generate`` and
+``load_weights`` stay the plain blocking calls the runtime makes. Prompts are tokenized here
+exactly as the ``hf`` backend does and handed to vLLM as token ids; responses are decoded here too.
+
+Behaviour log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``, so each reported
+log-prob is that of the distribution the token was sampled from: ``log softmax(logits / T)``,
+after top-k / top-p truncation when those are set. With temperature 1, top_p 1 and top_k 0 that is
+the model's own distribution; with T != 1 it is what the ``torch`` trainer computes (it divides by
+the rollout's temperature); truncation is not reproduced by the trainer (as with ``hf``). Greedy
+decoding (temperature 0) reports the log-probs of the unscaled model, which is what the trainer
+uses then (T = 1).
+
+Weights: ``load_weights`` pauses the engine (in-flight requests finish first), sends the full
+``state_dict`` as raw bytes to every worker through ``collective_rpc``, where
+``relax_plugins.rollout.vllm_worker.WeightReceiver`` feeds it to the worker's own
+``reload_weights``, then clears the prefix cache and resumes. No pickled code crosses to the engine
+(``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off). A tied ``lm_head.weight`` is always pushed: vLLM's
+CPU backend keeps a prepacked copy of every linear layer, which is refreshed only for the tensors
+pushed. The transport is the engine's own ZMQ and shared-memory channels on one machine; an NCCL
+broadcast from trainer GPUs (vLLM's ``init_weight_transfer_engine``) is not implemented.
+
+Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
+requests are queued while the scheduler is paused and released together, so the same weights,
+prompts and seed give the same batches and the same generations.
+
+This module imports only pydantic and the standard library at the top (``relax validate`` reads its
+``Config``); vLLM, torch and transformers are imported when an engine is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.contracts import BackendContext, Generation
+
+GIB = 1 << 30
+#: Where the worker-side half lives (vLLM imports it in its worker processes).
+WORKER_EXTENSION = "relax_plugins.rollout.vllm_worker.WeightReceiver"
+#: The longest a single engine call (start, generate, weight push) may take before it is an error.
+CALL_TIMEOUT_S = float(os.environ.get("RELAX_VLLM_TIMEOUT_S", "900"))
+#: How long the engine's processes get to exit on ``close`` before vLLM kills them.
+SHUTDOWN_TIMEOUT_S = 15.0
+
+
+class VLLMRollout:
+    """Samples responses with vLLM; seeded, so the same weights, prompts and seed give the same
+    generations."""
+
+    #: Only token prompts are fed to the engine; media inputs would need vLLM's multimodal inputs.
+    modalities: ClassVar[frozenset[str]] = frozenset({"text"})
+    #: Replicas are data parallel; tp, pp and ep are the engine's own tensor, pipeline and expert
+    #: parallelism (GPUs only: the CPU backend runs one worker).
+    parallelism: ClassVar[frozenset[str]] = frozenset({"dp", "tp", "pp", "ep"})
+
+    class Config(BaseModel):
+        """Options of the vLLM rollout backend."""
+
+        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+        kv_cache_gib: float | None = Field(1.0, gt=0.0)
+        """KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; on CPU it is host memory).
+        Null lets vLLM size it from ``roles.rollout.gpu_memory_utilization``."""
+        max_model_len: int | None = Field(None, ge=2)
+        """Longest sequence (prompt plus response) the engine serves; null uses
+        ``data.max_prompt_tokens + sampling.max_new_tokens``."""
+        max_num_seqs: int | None = Field(None, ge=1)
+        """Most sequences in one engine step; null keeps vLLM's default."""
+        max_num_batched_tokens: int | None = Field(None, ge=1)
+        """Most tokens in one engine step (prefill chunks included); null keeps vLLM's default."""
+        enforce_eager: bool = True
+        """Run the model eagerly. False lets vLLM compile it (CUDA graphs on GPUs, inductor on CPU:
+        minutes of start-up on a small CPU). While true, vLLM's few ``torch.compile``d sampler helpers
+        also run eagerly, which saves their first compilation (about 30 s on two CPU cores)."""
+        enable_prefix_caching: bool = True
+        """Reuse the KV cache of shared prompt prefixes (the n samples of a prompt); cleared after
+        every weight update."""
+        num_threads: int | None = Field(None, ge=1)
+        """CPU backend: threads of the engine's worker (OpenMP, unbound). Null lets vLLM bind its
+        worker to the free cores itself (``VLLM_CPU_OMP_THREADS_BIND=auto``)."""
+        engine_args: dict[str, Any] = Field(default_factory=dict)
+        """Further ``vllm.AsyncEngineArgs`` fields, passed as they are (e.g. ``block_size``);
+        rejected at start-up if vLLM does not know them. The fields this backend sets itself
+        (model, dtype, parallel sizes, seed, log-prob mode) cannot be overridden here."""
+
+    #: Engine arguments derived from the spec; ``engine_args`` may not override them.
+    OWNED_ARGS: ClassVar[frozenset[str]] = frozenset({
+        "model", "tokenizer", "dtype", "seed", "logprobs_mode", "tensor_parallel_size",
+        "pipeline_parallel_size", "enable_expert_parallel", "worker_extension_cls", "generation_config",
+        "skip_tokenizer_init", "kv_cache_memory_bytes", "max_model_len", "max_num_seqs",
+        "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization",
+    })
+
+    def __init__(self, config: VLLMRollout.Config, context: BackendContext) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        spec = context.spec
+        role = spec.roles.rollout
+        self.config = config
+        self.context = context
+        self.max_prompt_tokens = int(spec.data.max_prompt_tokens)
+        self.max_model_len = config.max_model_len or self.max_prompt_tokens + int(role.sampling.max_new_tokens)
+        self._check_spec(spec)
+        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {context.model_path} has no eos token; responses "
+                             "could never stop")
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.hf_config = AutoConfig.from_pretrained(context.model_path)
+        self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(context.model_path)
+                                                     if t != self.eos_token_id]
+        self.weight_shapes = _checkpoint_shapes(context.model_path)
+        self.tied = bool(getattr(self.hf_config.get_text_config(), "tie_word_embeddings", False))
+        if self.tied and "lm_head.weight" not in self.weight_shapes and "model.embed_tokens.weight" in self.weight_shapes:
+            self.weight_shapes["lm_head.weight"] = self.weight_shapes["model.embed_tokens.weight"]
+
+        import vllm  # noqa: F401  (a missing install fails here, before threads and processes)
+
+        self._check_platform()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-rollout-loop", daemon=True)
+        self._thread.start()
+        self.engine: Any = None
+        try:
+            with _environment(self._engine_environment()):
+                self.engine = self._call(self._start_engine(self._engine_args()))
+        except Exception:
+            self.close()
+            raise
+        self.version = 0
+        """The policy version of the weights held (0: the initial weights)."""
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _check_spec(self, spec: Any) -> None:
+        """Settings this backend cannot serve, with what to do instead (before anything starts)."""
+        role = spec.roles.rollout
+        extra = sorted(set(spec.model.modalities) - self.modalities)
+        if extra:
+            raise ValueError(f"the vllm rollout feeds text only, but model.modalities lists {', '.join(extra)}; "
+                             "use roles.rollout.backend hf for media, or set model.modalities to [text]")
+        needed = self.max_prompt_tokens + int(role.sampling.max_new_tokens)
+        if self.max_model_len < needed:
+            raise ValueError(f"roles.rollout.options.max_model_len={self.max_model_len} is shorter than "
+                             f"data.max_prompt_tokens + sampling.max_new_tokens = {needed}; raise it or "
+                             "leave it null")
+        par = role.parallel
+        if par.cp > 1:
+            raise ValueError(f"roles.rollout.parallel.cp={par.cp}: the vllm rollout has no context "
+                             "parallelism; set it to 1")
+        if par.ep > 1 and par.ep != par.tp:
+            raise ValueError(f"roles.rollout.parallel.ep={par.ep}: vLLM spreads experts over the engine's "
+                             f"tensor-parallel ranks, so ep must equal tp ({par.tp}) or be 1")
+        owned = sorted(set(self.config.engine_args) & self.OWNED_ARGS)
+        if owned:
+            raise ValueError(f"roles.rollout.options.engine_args sets {', '.join(owned)}, which the vllm "
+                             "rollout derives from the spec or its own options; set those there instead")
+
+    def _check_platform(self) -> None:
+        """The CPU backend's limits: one worker, and only the head sizes its attention kernel has."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        par = self.context.spec.roles.rollout.parallel
+        if par.tp * par.pp > 1:
+            raise ValueError(f"roles.rollout.parallel tp={par.tp} x pp={par.pp}: this vLLM runs on the CPU "
+                             "backend, which this rollout runs as one worker; set tp and pp to 1")
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        text = self.hf_config.get_text_config()
+        heads = int(getattr(text, "num_attention_heads", 0) or 0)
+        head_dim = getattr(text, "head_dim", None) or (int(text.hidden_size) // heads if heads else None)
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+        if head_dim is not None and int(head_dim) not in supported:
+            raise ValueError(f"{self.context.model_path} has head_dim={head_dim}, which vLLM's CPU attention "
+                             f"does not support (it supports {', '.join(map(str, supported))}); use a model "
+                             "with one of those (builtin:tiny-lm: model.options.head_dim >= 32) or the hf rollout")
+
+    def _engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        spec, config = self.context.spec, self.config
+        role = spec.roles.rollout
+        args: dict[str, Any] = dict(
+            model=self.context.model_path,
+            dtype=spec.model.dtype,
+            seed=int(self.context.seed),
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # sampling comes from the spec, not the model's defaults
+            worker_extension_cls=WORKER_EXTENSION,
+            tensor_parallel_size=role.parallel.tp,
+            pipeline_parallel_size=role.parallel.pp,
+            enable_expert_parallel=role.parallel.ep > 1,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            gpu_memory_utilization=role.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        if config.kv_cache_gib is not None:
+            args["kv_cache_memory_bytes"] = int(config.kv_cache_gib * GIB)
+        if config.max_num_seqs is not None:
+            args["max_num_seqs"] = config.max_num_seqs
+        if config.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = config.max_num_batched_tokens
+        try:
+            return AsyncEngineArgs(**args, **config.engine_args)
+        except TypeError as exc:
+            raise ValueError(f"roles.rollout.options.engine_args: {exc}; give fields of vllm.AsyncEngineArgs") from exc
+
+    def _engine_environment(self) -> dict[str, str]:
+        """Variables the engine's processes start with (they are spawned with this process's
+        environment, which is restored once they run)."""
+        env = {}
+        if self.config.num_threads is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = str(self.config.num_threads)
+        if self.config.enforce_eager:
+            env["TORCHDYNAMO_DISABLE"] = "1"
+        return env
+
+    async def _start_engine(self, args: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            return AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise RuntimeError(f"vLLM could not start an engine for {self.context.model_path}: "
+                               f"{type(exc).__name__}: {exc}. Check roles.rollout.options (kv_cache_gib, "
+                               "max_model_len, engine_args) and model.dtype") from exc
+
+    def _call(self, coroutine: Any) -> Any:
+        """Run a coroutine on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(CALL_TIMEOUT_S)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt, cut from the left to ``data.max_prompt_tokens`` (as ``hf`` does)."""
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
+        return ids[-self.max_prompt_tokens:]
+
+    def sampling_params(self, sampling: Any, seed: int) -> Any:
+        """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block."""
+        from vllm import SamplingParams
+
+        from vllm.sampling_params import RequestOutputKind
+
+        common = dict(n=1, max_tokens=int(sampling.max_new_tokens), logprobs=0, seed=seed,
+                      stop_token_ids=list(self.stop_token_ids), detokenize=False,
+                      output_kind=RequestOutputKind.FINAL_ONLY)
+        if sampling.temperature <= 0:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                              top_k=int(sampling.top_k), **common)
+
+    def generate(self, prompts: list[str], n: int, sampling: Any, seed: int) -> list[Generation]:
+        """``n`` samples of each prompt, prompt-major (``prompt_index`` = index into ``prompts``)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        encoded = [self.encode_prompt(p) for p in prompts]
+        rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
+        params = [self.sampling_params(sampling, _row_seed(seed, row)) for row in range(len(rows))]
+        with self._lock:
+            outputs = self._call(self._generate(rows, params))
+        stops = set(self.stop_token_ids)
+        generations = []
+        for (prompt_index, ids), output in zip(rows, outputs):
+            completion = output.outputs[0]
+            response = list(completion.token_ids)
+            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response)]
+            finished = bool(response) and response[-1] in stops
+            text_ids = response[:-1] if finished else response
+            generations.append(Generation(
+                prompt_index=prompt_index,
+                prompt_ids=list(ids),
+                response_ids=response,
+                logprobs=logprobs,
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                finished=finished,
+            ))
+        return generations
+
+    async def _generate(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Any]:
+        """Queue every request while the scheduler is paused, then release them together, so the
+        engine batches a call the same way each time (same batches, same numbers). Requests and
+        the resume message travel the same ordered channel to the engine core."""
+        from vllm.inputs.engine import tokens_input
+
+        engine = self.engine
+        ids = [uuid.uuid4().hex for _ in rows]
+        collectors = []
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            for request_id, (_, prompt_ids), p in zip(ids, rows, params):
+                collectors.append(await engine.add_request(request_id, tokens_input(list(prompt_ids)), p))
+        except BaseException:
+            await engine.abort(ids[:len(collectors)])
+            raise
+        finally:
+            await engine.resume_generation()
+        try:
+            return [await _final(collector) for collector in collectors]
+        except BaseException:
+            await engine.abort(ids)
+            raise
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def load_weights(self, weights: dict[str, Any], version: int) -> None:
+        """Replace the engine's weights in place with a full HF ``state_dict`` and record their
+        policy ``version``. A tied ``lm_head.weight`` may be absent; it is pushed either way."""
+        from relax_plugins.rollout.vllm_worker import pack
+
+        weights = dict(weights)
+        if self.tied and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._check_weights(weights)
+        packed = pack(weights)
+        with self._lock:
+            self._call(self._push(packed))
+        self.version = int(version)
+
+    def _check_weights(self, weights: dict[str, Any]) -> None:
+        """Names and shapes must be those of the model's checkpoint: vLLM would otherwise fail
+        half-way and leave the engine partly updated."""
+        missing = sorted(set(self.weight_shapes) - set(weights))
+        unexpected = sorted(set(weights) - set(self.weight_shapes))
+        misshaped = sorted(k for k in set(weights) & set(self.weight_shapes)
+                           if list(weights[k].shape) != self.weight_shapes[k])
+        if missing or unexpected or misshaped:
+            raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}, wrong shape {misshaped[:5]}; push a full state_dict of the "
+                             "same architecture")
+
+    async def _push(self, packed: list[Any]) -> None:
+        engine = self.engine
+        await engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            loaded = await engine.collective_rpc("relax_load_weights", args=(packed,))
+            if any(count != len(packed) for count in loaded):
+                raise RuntimeError(f"a vLLM worker loaded {loaded} of {len(packed)} tensors")
+            await engine.reset_prefix_cache()
+        finally:
+            await engine.resume_generation()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine's processes and the loop thread (idempotent)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        loop = getattr(self, "_loop", None)
+        running = loop is not None and not loop.is_closed() and self._thread.is_alive()
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                if running:  # stop reading outputs first, so the engine's exit is not an error
+                    asyncio.run_coroutine_threadsafe(_stop_output_handler(engine), loop).result(10)
+                engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        if running:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=10)
+        if loop is not None and not loop.is_closed() and not self._thread.is_alive():
+            loop.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+async def _stop_output_handler(engine: Any) -> None:
+    """Cancel the engine client's output task (vLLM starts it on the first request)."""
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None and not handler.done():
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await handler
+
+
+async def _cancel_tasks() -> None:
+    """Cancel and await the loop's remaining tasks (the client's socket readers) before it stops."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _final(collector: Any) -> Any:
+    """The finished output of one request (``FINAL_ONLY`` requests produce just that one)."""
+    while True:
+        output = collector.get_nowait() or await collector.get()
+        if output.finished:
+            return output
+
+
+def _row_seed(seed: int, row: int) -> int:
+    """A sample's own seed: distinct per (call seed, row), so neighbouring calls share none."""
+    digest = hashlib.blake2b(f"{seed}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def _declared_eos(model_path: str) -> list[int]:
+    """End tokens of the model's generation config (chat models often declare several); what
+    ``hf`` reads from ``model.generation_config``."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        declared = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        declared = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    declared = declared if isinstance(declared, list) else [declared] if declared is not None else []
+    return [int(t) for t in declared]
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, list[int]]:
+    """Tensor names and shapes of a safetensors checkpoint folder, read from the file headers."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path} holds no *.safetensors weights; the vllm rollout needs a local "
+                                "Hugging Face folder with safetensors")
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = list(handle.get_slice(key).get_shape())
+    return shapes
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

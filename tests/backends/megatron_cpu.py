@@ -1,0 +1,138 @@
+"""CPU stand-ins that let megatron-core 0.16.1 run a tiny GPTModel on a machine without CUDA.
+
+megatron-core assumes CUDA in two places a CPU run reaches (measured in FACTS-runtime.md §6):
+
+- ``torch.cuda.current_device()`` picks the device of the rotary embedding's frequencies and of the
+  attention's scratch buffer; on a CPU torch it raises "Torch not compiled with CUDA enabled". Here
+  it answers the CPU device.
+- The tensor-parallel RNG tracker (``get_cuda_rng_tracker().fork()``, entered around weight init
+  and dropout) saves and restores CUDA RNG states. An inference tracker forks nothing, which is
+  exact here because the trainer turns dropout off.
+
+A third stand-in is not about CUDA: megatron-core 0.16.1's MoE router (``moe_utils``) tests a name,
+``te_general_gemm``, that it only defines when Transformer Engine imports, so without TE every MoE
+forward raises ``NameError``. Defining it as ``None`` selects the plain ``torch.mm`` path the
+module already has. The trainer refuses MoE models in a process where the name is missing.
+
+These live in the tests' harness, never in the plugin: on GPUs megatron-core needs neither. A run
+through the runtime installs them in every Ray worker with
+``RELAX_WORKER_SETUP=tests.backends.megatron_cpu.install_cpu_shims``.
+"""
+
+from __future__ import annotations
+
+WORKER_SETUP = "tests.backends.megatron_cpu.install_cpu_shims"
+"""The ``RELAX_WORKER_SETUP`` value that installs these shims in every Ray worker of a run."""
+
+
+def install_cpu_shims() -> None:
+    """Install the stand-ins in this process (idempotent; the CUDA ones only where CUDA is missing).
+    It also quiets megatron-core's import-time notes that Apex and Transformer Engine are absent,
+    which every Ray worker of a run would otherwise print."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = _cpu_device
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _cpu_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+# -- shared by the tests and by the ranks of a multi-process check -----------------------------------
+
+
+def trainer_spec(model_path: str, *, tp: int = 1, micro_batch_size: int = 3, temperature: float = 0.7,
+                 backend: str = "megatron", extra: dict | None = None):
+    """A validated spec whose actor trains ``model_path``; ``tp`` is set after validation, because
+    the spec rules rightly refuse tp > 1 for a role without GPUs, while gloo ranks run it on CPU."""
+    from relax.spec import validate_spec
+
+    raw = {"name": "megatron-test", "model": {"path": model_path},
+           "roles": {"rollout": {"backend": "hf", "sampling": {"temperature": temperature, "max_new_tokens": 6}},
+                     "actor": {"backend": backend, "micro_batch_size": micro_batch_size,
+                               "optimizer": {"lr": 1e-3, "grad_clip": 1.0}}},
+           "tracing": {"exporter": "none"}}
+    for dotted, value in (extra or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    spec = validate_spec(raw)
+    spec.roles.actor.parallel.tp = tp
+    return spec
+
+
+def build_trainer(cls, spec, model_path: str, loss=None):
+    """A trainer plugin of class ``cls`` for the spec's actor, with the spec's loss unless given."""
+    from relax.contracts import BackendContext
+    from relax.runtime.components import build_loss
+
+    context = BackendContext(spec=spec, role="actor", model_path=model_path, seed=0,
+                             loss=loss if loss is not None else build_loss(spec))
+    return cls(cls.Config(), context)
+
+
+def sample_batch(rows: int = 7, vocab: int = 99, seed: int = 0):
+    """A fixed batch of ragged prompts and responses (left and right padding, varied lengths)."""
+    import torch
+
+    from relax.algo.batch import collate
+    from relax.contracts import Generation
+
+    g = torch.Generator().manual_seed(seed)
+    gens = []
+    for i in range(rows):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        response = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        logprobs = (-torch.rand(len(response), generator=g) * 5).tolist()
+        gens.append(Generation(i, prompt, response, logprobs, ""))
+    return collate(gens, torch.randn(rows, generator=g), pad_token_id=0)
+
+
+def probe(trainer) -> dict:
+    """What the tensor-parallel check compares: log-probs, one step's metrics, the weights after it."""
+    batch = sample_batch()
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = trainer.train_step(batch)
+    return {"logprobs": logprobs, "metrics": metrics, "weights": trainer.weights()}
+
+
+def _run_rank(model_path: str, tp: int, out: str) -> None:
+    """One gloo rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment) of a
+    tensor-parallel run of ``probe``; rank 0 writes the result to ``out``."""
+    import os
+
+    import torch
+
+    from relax_plugins.trainer.megatron import MegatronTrainer
+
+    torch.set_num_threads(1)
+    install_cpu_shims()
+    trainer = build_trainer(MegatronTrainer, trainer_spec(model_path, tp=tp), model_path)
+    from megatron.core import parallel_state
+
+    result = {**probe(trainer), "tp": parallel_state.get_tensor_model_parallel_world_size()}
+    if os.environ["RANK"] == "0":
+        torch.save(result, out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _run_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3])
