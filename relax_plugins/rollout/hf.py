@@ -23,8 +23,8 @@ class HFRollout:
     """Samples responses with ``transformers``; seeded, so the same weights, prompts and seed give
     the same generations."""
 
-    #: Inputs the backend accepts through the model's own Hugging Face processor. Only text is
-    #: fed by the runtime today; it refuses other modalities at launch (see relax.runtime.launch).
+    #: Inputs the backend accepts: media through the model's own Hugging Face processor
+    #: (``relax_plugins.processing``, shared with the torch trainer).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
 
@@ -48,7 +48,21 @@ class HFRollout:
         self.context = context
         self.device = torch.device(context.device)
         self.max_prompt_tokens = int(context.spec.data.max_prompt_tokens)
-        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
+        from relax.media import MediaSet
+
+        self.media = MediaSet.from_spec(context.spec)
+        """The run's modality plugins (None for text runs): media come as references and are
+        decoded here through the same plugins and processor as in the trainer."""
+        self.encoder: Any = None
+        self.suppressed: list[int] = []
+        if self.media is not None:
+            from relax_plugins.processing import SampleEncoder, load_processor
+
+            processor = load_processor(context.model_path)
+            self.tokenizer = processor.tokenizer
+            self.encoder = SampleEncoder(processor, self.media, self.max_prompt_tokens)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {context.model_path} has no eos token; responses "
                              "could never stop")
@@ -56,7 +70,14 @@ class HFRollout:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
         dtype = getattr(torch, context.spec.model.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
+        if self.media is not None:
+            from relax_plugins.processing import load_policy_model, placeholder_token_ids
+
+            self.model = load_policy_model(context.model_path, dtype, multimodal=True)
+            # Never sample a media placeholder: the trainer masks the same tokens (see processing).
+            self.suppressed = placeholder_token_ids(self.model.config)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
         self.model.to(self.device).eval()
         # A response ends at the tokenizer's eos or at any end token of the model's generation
         # config (chat models often have several, e.g. <|im_end|> and <|endoftext|>).
@@ -75,13 +96,27 @@ class HFRollout:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
         return ids[-self.max_prompt_tokens:]
 
-    def generate(self, prompts: list[str], n: int, sampling: Any, seed: int) -> list[Generation]:
-        """``n`` samples of each prompt, prompt-major (``prompt_index`` = index into ``prompts``)."""
+    def generate(self, prompts: list[str], n: int, sampling: Any, seed: int,
+                 media: list[list[Any]] | None = None) -> list[Generation]:
+        """``n`` samples of each prompt, prompt-major (``prompt_index`` = index into ``prompts``).
+
+        ``media`` (multimodal runs) holds each prompt's media references (``relax.media.MediaRef``);
+        the prompt is then rendered and encoded with its media by ``relax_plugins.processing``."""
         import torch
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self.encode_prompt(p) for p in prompts]
+        samples: list[Any] | None = None
+        if media is not None:
+            if self.encoder is None:
+                raise ValueError("generate got media, but the spec has no data.media_keys; list the media "
+                                 "columns there so the rollout builds its modality plugins and processor")
+            if len(media) != len(prompts):
+                raise ValueError(f"media has {len(media)} entries for {len(prompts)} prompts; give one per prompt")
+            samples = [self.encoder(p, refs) for p, refs in zip(prompts, media)]
+            encoded = [s.prompt_ids for s in samples]
+        else:
+            encoded = [self.encode_prompt(p) for p in prompts]
         rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
         size = self.config.max_batch_size or max(1, len(rows))
         out: list[Generation] = []
@@ -91,7 +126,12 @@ class HFRollout:
                 torch.manual_seed(seed + part)
                 if self.device.type == "cuda":
                     torch.cuda.manual_seed(seed + part)
-                out += self._generate_rows(chunk, sampling)
+                extra = {}
+                if samples is not None:
+                    from relax_plugins.processing import batch_media
+
+                    extra = {k: v.to(self.device) for k, v in batch_media([samples[i] for i, _ in chunk]).items()}
+                out += self._generate_rows(chunk, sampling, extra)
         return out
 
     def _generation_config(self, sampling: Any) -> Any:
@@ -107,6 +147,8 @@ class HFRollout:
             output_scores=True,
             return_dict_in_generate=True,
         )
+        if self.suppressed:
+            common["suppress_tokens"] = list(self.suppressed)
         if sampling.temperature <= 0:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(
@@ -117,7 +159,8 @@ class HFRollout:
             **common,
         )
 
-    def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any) -> list[Generation]:
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any,
+                       media_inputs: dict[str, Any] | None = None) -> list[Generation]:
         import torch
 
         width = max(len(ids) for _, ids in rows)
@@ -130,6 +173,7 @@ class HFRollout:
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=self._generation_config(sampling),
+            **(media_inputs or {}),
         )
         new_tokens = result.sequences[:, width:].cpu()
         scores = torch.stack(result.scores, dim=1).float()  # [rows, new, vocab], as sampled from
