@@ -31,6 +31,36 @@ def _sharding(spec: RunSpec, backend: str) -> str:
     return getattr(cls, "memory_sharding", "none")
 
 
+def judge_memory(spec: RunSpec, base_dir: Path) -> tuple[list[MemoryItem], list[str]]:
+    """Per-GPU weights of the judge models of model-based rewards (``genrm``) on reward workers
+    with GPUs, split over ``roles.reward.gpus_per_replica``; and notes on what is not estimated."""
+    from relax.plan.memory import DTYPE_BYTES, gib
+
+    reward = spec.roles.reward
+    if reward.gpus_per_replica == 0:
+        return [], []
+    registry = get_registry()
+    items, notes = [], []
+    for i, entry in enumerate(spec.rewards):
+        try:
+            cls = registry.load(PluginKind.rewards, entry.name)
+        except PluginError:
+            continue
+        if not getattr(cls, "model_based", False):
+            continue
+        config = registry.build_config(PluginKind.rewards, entry.name, entry.options)
+        judge, _ = resolve_architecture(config.model, base_dir, registry, getattr(config, "model_options", {}))
+        if judge is None:
+            notes.append(f"rewards[{i}]: the judge {config.model} is unknown here; its memory is not estimated")
+            continue
+        width = DTYPE_BYTES[getattr(config, "dtype", spec.model.dtype)]
+        items.append(MemoryItem(role="reward", what=f"weights ({entry.key})",
+                                gib=gib(judge.params_total() * width / reward.gpus_per_replica)))
+    if items:
+        notes.append("a judge's KV cache is not in the reward workers' estimate (only its weights)")
+    return items, notes
+
+
 def _instance_items(inst: RoleInstance, spec: RunSpec, arch: ModelArchitecture,
                     cache: dict[str, list[MemoryItem]]) -> list[MemoryItem]:
     if inst.role not in cache:
@@ -47,9 +77,10 @@ def _instance_items(inst: RoleInstance, spec: RunSpec, arch: ModelArchitecture,
     return cache[inst.role]
 
 
-def estimate_memory(spec: RunSpec, arch: ModelArchitecture, instances: list[RoleInstance]) -> list[DeviceMemory]:
+def estimate_memory(spec: RunSpec, arch: ModelArchitecture, instances: list[RoleInstance],
+                    judge: list[MemoryItem] | None = None) -> list[DeviceMemory]:
     """Per GPU (and per host for CPU roles): what each role keeps there, and the resident peak."""
-    cache: dict[str, list[MemoryItem]] = {}
+    cache: dict[str, list[MemoryItem]] = {"reward": judge or []}
     devices: dict[tuple[int, int | None], tuple[list[str], list[MemoryItem]]] = {}
     for inst in instances:
         items = _instance_items(inst, spec, arch, cache)
@@ -106,7 +137,9 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
         notes.append(f"the architecture of {spec.model.path} is unknown here (no local config.json "
                      "and no shipped card), so memory is not estimated")
     else:
-        memory = estimate_memory(spec, arch, instances)
+        judge, judge_notes = judge_memory(spec, base_dir or Path.cwd())
+        notes += judge_notes
+        memory = estimate_memory(spec, arch, instances, judge)
         if check_memory:
             issues = memory_issues(memory)
             if issues:

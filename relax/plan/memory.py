@@ -32,7 +32,7 @@ GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _gib(n_bytes: float) -> float:
+def gib(n_bytes: float) -> float:
     return round(n_bytes / GIB, 3)
 
 
@@ -71,10 +71,10 @@ def trained_role_memory(
     dp = max(1, data_parallel)
     shard_w = dp if sharding == "full" else 1
     shard_o = dp if sharding in ("full", "optimizer") else 1
-    items = [MemoryItem(role=name, what="weights", gib=_gib(params * w_bytes / shard_w))]
+    items = [MemoryItem(role=name, what="weights", gib=gib(params * w_bytes / shard_w))]
     if trains:
-        items.append(MemoryItem(role=name, what="gradients", gib=_gib(params * g_bytes / shard_w), transient=True))
-        items.append(MemoryItem(role=name, what="optimizer", gib=_gib(params * o_bytes / shard_o)))
+        items.append(MemoryItem(role=name, what="gradients", gib=gib(params * g_bytes / shard_w), transient=True))
+        items.append(MemoryItem(role=name, what="optimizer", gib=gib(params * o_bytes / shard_o)))
     seq = sequence_tokens(spec) / par.cp
     batch = role.micro_batch_size
     scale = width / 2  # the activation formula is for 2-byte activations
@@ -86,8 +86,8 @@ def trained_role_memory(
     else:
         activations = arch.num_layers * per_layer
     logits = batch * seq * arch.vocab_size / par.tp * 4 * (2 if trains else 1)
-    items.append(MemoryItem(role=name, what="activations", gib=_gib(activations), transient=True))
-    items.append(MemoryItem(role=name, what="logits", gib=_gib(logits), transient=True))
+    items.append(MemoryItem(role=name, what="activations", gib=gib(activations), transient=True))
+    items.append(MemoryItem(role=name, what="logits", gib=gib(logits), transient=True))
     return items
 
 
@@ -102,9 +102,9 @@ def rollout_memory(spec: RunSpec, arch: ModelArchitecture) -> list[MemoryItem]:
     kv = sequences * sequence_tokens(spec) * per_token
     logits = sequences * arch.vocab_size * 4
     return [
-        MemoryItem(role="rollout", what="weights", gib=_gib(weights)),
-        MemoryItem(role="rollout", what="kv_cache", gib=_gib(kv), transient=True),
-        MemoryItem(role="rollout", what="logits", gib=_gib(logits), transient=True),
+        MemoryItem(role="rollout", what="weights", gib=gib(weights)),
+        MemoryItem(role="rollout", what="kv_cache", gib=gib(kv), transient=True),
+        MemoryItem(role="rollout", what="logits", gib=gib(logits), transient=True),
     ]
 
 

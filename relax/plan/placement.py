@@ -126,6 +126,24 @@ def _cpu_workers(pool: PoolBuilder, name: str, replicas: int, cpus: float) -> No
         pool.instances.append(RoleInstance(role=name, rank=rank, pool=pool.name, bundles=[index], node=0))
 
 
+def _reward_workers(spec: RunSpec, cursor: GpuCursor | None, pool: PoolBuilder, cpus: float) -> None:
+    """``roles.reward.host: own``: CPU workers, or each on ``gpus_per_replica`` GPUs of its own
+    (a model-based reward's judge runs there)."""
+    reward = spec.roles.reward
+    if reward.gpus_per_replica == 0:
+        _cpu_workers(pool, "reward", reward.replicas, cpus)
+        return
+    pool.roles.append("reward")
+    bundles = pool.add_gpu_bundles(_take_units(cursor, reward.replicas * reward.gpus_per_replica,
+                                               reward.gpus_per_replica, "roles.reward.gpus_per_replica"))
+    for rank in range(reward.replicas):
+        mine = bundles[rank * reward.gpus_per_replica:(rank + 1) * reward.gpus_per_replica]
+        first = pool.bundles[mine[0]]
+        pool.instances.append(RoleInstance(role="reward", rank=rank, pool=pool.name, bundles=mine, node=first.node,
+                                           gpus=[g for i in mine for g in pool.bundles[i].gpus],
+                                           coords={"replica": rank}))
+
+
 def _score_in_rollout(spec: RunSpec, builders: list[PoolBuilder]) -> None:
     """``roles.reward.host: rollout``: a scorer rides on each rollout engine's first bundle, and
     outside hybrid mode the advantage estimator rides with the first one."""
@@ -191,14 +209,14 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
         _score_in_rollout(spec, builders)
     elif mode == "hybrid":
         reward_pool = PoolBuilder(name="reward")
-        _cpu_workers(reward_pool, "reward", roles.reward.replicas, roles.reward.cpus)
+        _reward_workers(spec, cursor, reward_pool, roles.reward.cpus)
         builders.append(reward_pool)
     else:
         # Scoring and advantages are cheap CPU work on the same rows: one pool, and the first
         # advantage worker shares the first reward bundle, so the runtime can hand rewards to it
         # in memory instead of through another bus round trip.
         scoring = PoolBuilder(name="scoring")
-        _cpu_workers(scoring, "reward", roles.reward.replicas, roles.reward.cpus + roles.advantage.cpus)
+        _reward_workers(spec, cursor, scoring, roles.reward.cpus + roles.advantage.cpus)
         scoring.roles.append("advantage")
         for rank in range(roles.advantage.replicas):
             index = 0 if rank == 0 else scoring.add_cpu_bundle(roles.advantage.cpus)

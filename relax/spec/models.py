@@ -335,6 +335,9 @@ RewardHost = Literal["rollout", "own"]
 class RewardRole(CpuRole):
     """The reward role: scoring responses with the reward plugins."""
 
+    gpus_per_replica: int = Field(0, ge=0)
+    """GPUs of each reward worker (``host: own`` only): for a model-based reward such as a
+    ``genrm`` judge, whose backend then runs on them; 0 runs the workers on CPU."""
     host: RewardHost = "rollout"
     """Where scoring runs: ``rollout`` scores each batch inside the rollout worker that generated it
     (no bus round trip: right for cheap rule-based rewards; one scorer per rollout replica, and the

@@ -251,7 +251,7 @@ def _pooled_roles(spec: RunSpec) -> list[str]:
 def gpus_requested(spec: RunSpec) -> int:
     """GPUs the whole run needs: roles that share a pool count once."""
     pooled = set(_pooled_roles(spec))
-    total = spec.roles.actor.gpus
+    total = spec.roles.actor.gpus + spec.roles.reward.replicas * spec.roles.reward.gpus_per_replica
     if spec.placement.mode != "colocate":
         total += spec.roles.rollout.gpus
     for name, role in spec.trained_roles().items():
@@ -277,7 +277,13 @@ def check_gpus(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             f"{role.gpus} differs from roles.actor.gpus ({actor_gpus}), but in {mode} mode "
                             f"{name} shares the actor's GPUs", f"set it to {actor_gpus}")
     asked = {"roles.rollout.gpus_per_replica": roles.rollout.gpus,
+             "roles.reward.gpus_per_replica": roles.reward.gpus_per_replica,
              **{f"roles.{n}.gpus": r.gpus for n, r in spec.trained_roles().items()}}
+    if roles.reward.gpus_per_replica and roles.reward.host != "own":
+        yield SpecIssue("roles.reward.gpus_per_replica",
+                        f"{roles.reward.gpus_per_replica} GPUs per reward worker, but rewards are scored inside the "
+                        "rollout worker (roles.reward.host: rollout)",
+                        "set roles.reward.host: own for a model-based reward such as genrm, or set this to 0")
     if cluster.gpus_per_node == 0:
         for path, gpus in asked.items():
             if gpus:

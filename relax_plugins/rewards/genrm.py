@@ -140,7 +140,7 @@ class GenerativeJudge:
 
     def __init__(self, config: GenerativeJudge.Config) -> None:
         from relax.contracts import BackendContext, PluginKind
-        from relax.runtime.components import build_plugin, materialize_model
+        from relax.runtime.components import build_plugin, materialize_model, role_device
         from relax.spec.models import RunSpec
 
         self.config = config
@@ -160,7 +160,9 @@ class GenerativeJudge:
             raise FileNotFoundError(f"genrm: the judge model {config.model!r} is not a folder (looked at {path}); "
                                     "give a local Hugging Face folder or builtin:<name>")
         self.model_path = path
-        context = BackendContext(spec=self.spec, role="reward", model_path=path, seed=config.seed)
+        # On the reward worker's GPU when the plan gave it one (roles.reward.gpus_per_replica).
+        context = BackendContext(spec=self.spec, role="reward", model_path=path, seed=config.seed,
+                                 device=role_device())
         self.backend = build_plugin(PluginKind.rollout, config.backend, config.backend_options, context)
         self._tokenizer: Any = None
         self._lock = threading.Lock()  # one generate at a time: backends are not re-entrant

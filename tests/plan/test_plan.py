@@ -216,6 +216,25 @@ def test_reward_workers_of_their_own_share_a_scoring_pool_with_the_advantage() -
     assert plan.pool("rollout").roles == ["rollout"]
 
 
+def test_a_judge_gets_gpus_of_its_own_with_its_weights_estimated() -> None:
+    judge = "rewards=[{name: genrm, options: {model: Qwen/Qwen3-4B, dtype: bfloat16}}]"
+    spec, plan = plan_of("tiny-cpu", "cluster.gpus_per_node=4", "roles.reward.host=own", "roles.reward.replicas=2",
+                         "roles.reward.gpus_per_replica=1", judge)
+    rewards = plan.instances_of("reward")
+    assert [r.gpus for r in rewards] == [[0], [1]] and plan.gpus_used == 2 == gpus_requested(spec)
+    on_gpu0 = next(d for d in plan.memory if d.gpu == 0)
+    weights = next(i for i in on_gpu0.items if i.what == "weights (genrm)")
+    qwen3_4b_params = 4_022_458_880
+    assert weights.gib == pytest.approx(qwen3_4b_params * 2 / GIB, abs=1e-3)  # GiB to 3 decimals
+    assert any("KV cache" in note for note in plan.notes)
+
+
+def test_reward_gpus_need_reward_workers_of_their_own() -> None:
+    with pytest.raises(SpecError) as exc:
+        plan_of("tiny-cpu", "cluster.gpus_per_node=4", "roles.reward.gpus_per_replica=1")
+    assert "roles.reward.gpus_per_replica" in issue_paths(exc)
+
+
 def test_plan_schema_is_current() -> None:
     from relax.plan.model import Plan
 
