@@ -63,12 +63,7 @@ class HFRollout:
             self.encoder = SampleEncoder(processor, self.media, self.max_prompt_tokens)
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {context.model_path} has no eos token; responses "
-                             "could never stop")
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, context.model_path)
         dtype = getattr(torch, context.spec.model.dtype)
         if self.media is not None:
             from relax_plugins.processing import load_policy_model, placeholder_token_ids
@@ -207,3 +202,13 @@ class HFRollout:
 
         load_state(self.model, weights)
         self.version = int(version)
+
+
+def end_and_pad_ids(tokenizer: Any, model_path: str) -> tuple[int, int]:
+    """The tokenizer's end-of-sequence id and its pad id (the eos when it has no pad token), for
+    every rollout backend; a tokenizer without eos is refused: its responses could never stop."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {model_path} has no eos token; responses could never stop")
+    eos = int(tokenizer.eos_token_id)
+    pad = tokenizer.pad_token_id
+    return eos, int(pad) if pad is not None else eos

@@ -106,6 +106,8 @@ class VLLMRollout:
     def __init__(self, config: VLLMRollout.Config, context: BackendContext) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        from relax_plugins.rollout.hf import end_and_pad_ids
+
         spec = context.spec
         role = spec.roles.rollout
         self.config = config
@@ -114,12 +116,7 @@ class VLLMRollout:
         self.max_model_len = config.max_model_len or self.max_prompt_tokens + int(role.sampling.max_new_tokens)
         self._check_spec(spec)
         self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {context.model_path} has no eos token; responses "
-                             "could never stop")
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, context.model_path)
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
         self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(context.model_path)
                                                      if t != self.eos_token_id]

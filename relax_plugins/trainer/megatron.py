@@ -27,12 +27,14 @@ import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
 
 from relax.contracts import BackendContext
 from relax_plugins.trainer.steps import (
+    TrainerConfig,
     add_weighted,
     atomic_folder,
+    build_optimizer,
+    logprob_temperature,
     micro_batch_share,
     minibatch_bounds,
     step_result,
@@ -58,15 +60,8 @@ class MegatronTrainer:
     #: optimizer state (no distributed optimizer yet); the planner divides by tp only.
     memory_sharding: ClassVar[str] = "none"
 
-    class Config(BaseModel):
+    class Config(TrainerConfig):
         """Options of the Megatron train backend."""
-
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-        logprob_temperature: float | None = Field(None, gt=0.0)
-        """Temperature of the log-probs; null uses the rollout's sampling temperature (1 if 0)."""
-        num_threads: int | None = Field(None, ge=1)
-        """torch intra-op threads of this process; null leaves torch's setting alone."""
 
     def __init__(self, config: MegatronTrainer.Config, context: BackendContext) -> None:
         import torch
@@ -111,8 +106,7 @@ class MegatronTrainer:
         self.dtype = getattr(torch, spec.model.dtype)
         self.micro_batch_size = int(self.role.micro_batch_size)
         self.updates_per_step = int(spec.algorithm.updates_per_step)
-        sampling_t = float(spec.roles.rollout.sampling.temperature)
-        self.temperature = config.logprob_temperature or (sampling_t if sampling_t > 0 else 1.0)
+        self.temperature = logprob_temperature(config, spec)
         self.gradient_checkpointing = bool(getattr(self.role, "gradient_checkpointing", False))
         if self.gradient_checkpointing and self.device.type != "cuda":
             raise ValueError(f"roles.{context.role}.gradient_checkpointing: Megatron's activation recomputation "
@@ -180,17 +174,8 @@ class MegatronTrainer:
         return model.to(self.device)
 
     def _build_optimizer(self) -> Any:
-        import torch
-
-        o = self.optimizer_spec
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if o.name == "adamw":
-            return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        if o.name == "adam":
-            return torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        if o.name == "sgd":
-            return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-        raise ValueError(f"optimizer '{o.name}' is not supported by the megatron trainer; use adamw, adam or sgd")
+        return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_spec,
+                               "megatron")
 
     def _local_state(self) -> dict[str, Any]:
         """This rank's Megatron weights by name (Megatron's ``_extra_state`` entries left out)."""

@@ -5,7 +5,7 @@ conformance test holds them to it), so the rules that decide it live here once: 
 splits into mini-batches, how much each micro-batch's loss weighs, what a step reports, and how a
 checkpoint folder is written so that a crash never leaves half of one.
 
-Imported inside the backends' methods (it needs torch for nothing but the optimizer's lr).
+Imports only pydantic and the standard library at the top (backends' Configs extend ``TrainerConfig``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,41 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainerConfig(BaseModel):
+    """Options every built-in train backend takes (a backend's ``Config`` extends it)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    logprob_temperature: float | None = Field(None, gt=0.0)
+    """Temperature of the log-probs; null uses the rollout's sampling temperature (1 if 0)."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads of this process; null leaves torch's setting alone."""
+
+
+def logprob_temperature(config: TrainerConfig, spec: Any) -> float:
+    """The temperature a trainer scales logits by: the configured one, else the rollout's sampling
+    temperature (1 when sampling is greedy), so its log-probs are those of what was sampled."""
+    sampling_t = float(spec.roles.rollout.sampling.temperature)
+    return config.logprob_temperature or (sampling_t if sampling_t > 0 else 1.0)
+
+
+def build_optimizer(params: list[Any], spec: Any, backend: str) -> Any:
+    """The torch optimizer a role's ``optimizer`` block names, over ``params``."""
+    import torch
+
+    if spec.name == "adamw":
+        return torch.optim.AdamW(params, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                                 weight_decay=spec.weight_decay)
+    if spec.name == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                                weight_decay=spec.weight_decay)
+    if spec.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    raise ValueError(f"optimizer '{spec.name}' is not supported by the {backend} trainer; use adamw, adam or sgd")
 
 
 def minibatch_bounds(rows: int, updates: int) -> list[tuple[int, int]]:

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
 
 from relax.contracts import BackendContext
+from relax_plugins.trainer.steps import TrainerConfig, build_optimizer, logprob_temperature
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -36,15 +36,8 @@ class TorchTrainer:
     #: over ranks (see ``train_step``), so on GPUs the real footprint is the ``none`` estimate.
     memory_sharding: ClassVar[str] = "full"
 
-    class Config(BaseModel):
+    class Config(TrainerConfig):
         """Options of the torch train backend."""
-
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-        logprob_temperature: float | None = Field(None, gt=0.0)
-        """Temperature of the log-probs; null uses the rollout's sampling temperature (1 if 0)."""
-        num_threads: int | None = Field(None, ge=1)
-        """torch intra-op threads of this process; null leaves torch's setting alone."""
 
     def __init__(self, config: TorchTrainer.Config, context: BackendContext) -> None:
         import torch
@@ -61,8 +54,7 @@ class TorchTrainer:
         self.device = torch.device(context.device)
         self.micro_batch_size = int(self.role.micro_batch_size)
         self.updates_per_step = int(spec.algorithm.updates_per_step)
-        sampling_t = float(spec.roles.rollout.sampling.temperature)
-        self.temperature = config.logprob_temperature or (sampling_t if sampling_t > 0 else 1.0)
+        self.temperature = logprob_temperature(config, spec)
         torch.manual_seed(context.seed)
         self.model_path = context.model_path
         dtype = getattr(torch, spec.model.dtype)
@@ -115,17 +107,7 @@ class TorchTrainer:
         """Optimizer steps taken (the policy version of the current weights)."""
 
     def _build_optimizer(self) -> Any:
-        import torch
-
-        o = self.optimizer_spec
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if o.name == "adamw":
-            return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        if o.name == "adam":
-            return torch.optim.Adam(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-        if o.name == "sgd":
-            return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-        raise ValueError(f"optimizer '{o.name}' is not supported by the torch trainer; use adamw, adam or sgd")
+        return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_spec, "torch")
 
     # -- forward ----------------------------------------------------------------------------------
 
