@@ -183,7 +183,8 @@ class Bus:
         for ``task`` only. Raises ``BusTimeout`` after ``timeout_s`` with the counts it saw.
 
         Rows are marked consumed when they are handed out, before their data is fetched: if the
-        fetch fails, those rows are not offered to the same task again.
+        fetch fails, those rows are not offered to the same task again (``reset_consumption``
+        offers them again, for a task restarted after a failure).
         """
         if batch_size < 1:
             raise BusError(f"batch_size must be at least 1, got {batch_size}")
@@ -276,6 +277,12 @@ class Bus:
         """Per row, per field: 1 once written; ``None`` if some field was never written to the partition."""
         what = f"for the status of partition {partition!r}"
         return self._ask(what, lambda c: c.async_get_production_status(fields, partition))[1]
+
+    def reset_consumption(self, partition: str, task: str) -> None:
+        """Offer every row of ``partition`` to ``task`` again: a task restarted after a failure may
+        have taken rows it never finished."""
+        self._ask(f"to reset task {task!r} on partition {partition!r}",
+                  lambda c: c.async_reset_consumption(partition, task))
 
     def partitions(self) -> list[str]:
         """The partitions that currently exist (put to and not cleared)."""

@@ -5,7 +5,7 @@ They are plain dataclasses so a role can log, pickle or hand them to another Ray
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -102,6 +102,15 @@ class BusBatch:
 
     def __getitem__(self, name: str) -> Column:
         return self.fields[name]
+
+    def select(self, indices: Sequence[int]) -> BusBatch:
+        """These rows, only ``indices`` of them and in that order (columns, metadata and handle)."""
+        index = torch.tensor(list(indices), dtype=torch.long)
+        fields = {name: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in indices]
+                  for name, value in self.fields.items()}
+        handle = RowHandle(self.handle.partition, self.handle.batch_meta.select_samples(list(indices)))
+        return BusBatch(partition=self.partition, task=self.task, fields=fields,
+                        meta=[self.meta[i] for i in indices], handle=handle)
 
     def padded(
         self, name: str, pad_value: float = 0, side: Literal["right", "left"] = "right"

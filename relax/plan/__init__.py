@@ -122,6 +122,12 @@ def memory_issues(devices: list[DeviceMemory]) -> list[SpecIssue]:
     return issues
 
 
+def _elastic_limit(spec: RunSpec) -> int | None:
+    """``roles.rollout.max_replicas`` when it lets the rollout grow past its planned replicas."""
+    rollout = spec.roles.rollout
+    return rollout.max_replicas if rollout.max_replicas and rollout.max_replicas > rollout.replicas else None
+
+
 def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool = True) -> Plan:
     """The placement, bus topology, weight-sync edges, staleness schedule and memory of a spec.
 
@@ -149,6 +155,7 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
         gpus_per_node=spec.cluster.gpus_per_node,
         gpus_used=sum(p.gpu_count for p in pools), model=spec.model.path,
         model_params=arch.params_total() if arch else None,
+        rollout_max_replicas=_elastic_limit(spec),
         pools=pools, instances=instances, bus=bus_fields(spec), weight_sync=weight_sync_edges(spec),
         staleness=staleness_schedule(spec), memory=memory, notes=notes,
     )

@@ -141,6 +141,10 @@ class Plan(PlanPart):
     model: str
     model_params: int | None
     """Total parameters when the architecture is known."""
+    rollout_max_replicas: int | None = None
+    """The most rollout replicas ``relax scale`` may run when the rollout is elastic
+    (``roles.rollout.max_replicas`` above ``replicas``; each new one gets a bundle like the planned
+    ones); null: the rollout keeps its planned replicas."""
     pools: list[Pool]
     instances: list[RoleInstance]
     bus: list[BusField]

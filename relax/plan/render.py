@@ -31,6 +31,10 @@ def render_table(plan: Plan) -> str:
         gpus = pool.gpu_count
         lines.append(f"  {pool.name:<10} {pool.strategy:<11} {len(pool.bundles):>4} bundle(s) "
                      f"{gpus:>4} GPU(s)  roles: {', '.join(pool.roles)}")
+    if plan.rollout_max_replicas:
+        planned = len(plan.instances_of("rollout"))
+        lines.append(f"  rollout: elastic up to {plan.rollout_max_replicas} replicas ({planned} planned; "
+                     "`relax scale RUN_DIR rollout=N` adds or removes replicas mid-run)")
     lines += ["", "Placement and memory (GiB):"]
     where: dict[tuple[int, int | None], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for inst in plan.instances:

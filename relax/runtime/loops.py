@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,9 +30,10 @@ from relax.runtime.components import (
 )
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
 from relax.media import MediaSet, loads_context
-from relax.runtime.rows import TRAIN_COLUMNS, media_columns, rollout_columns, token_column, train_batch
+from relax.runtime.health import Activity
+from relax.runtime.rows import TRAIN_COLUMNS, media_columns, relayout, rollout_columns, token_column, train_batch
 from relax.spec.models import RunSpec
-from relax.spec.rules import advantage_reads
+from relax.spec.rules import advantage_reads, rollout_units
 from relax.telemetry import ADVANTAGE_COMPUTE, CHECKPOINT, REWARD_SCORE, ROLLOUT_BATCH, TRAIN_STEP, WEIGHT_SYNC, Telemetry
 
 #: Longest single wait on the control plane before re-checking whether the run was stopped.
@@ -67,23 +68,41 @@ class RoleEnv:
     """The model as a local folder (built-in models are materialized by the driver first)."""
     telemetry: Telemetry
     """This process's tracer: spans join the run's trace and parent to their step."""
+    holder: str = "worker"
+    """This worker's name in the run (heartbeats, rollout leases)."""
+    activity: Activity = field(default_factory=Activity)
+    """What this worker does right now, for its heartbeat."""
 
     @property
     def batch_size(self) -> int:
         return self.spec.algorithm.prompts_per_step * self.spec.algorithm.samples_per_prompt
 
+    def call(self, ref: Any) -> Any:
+        """``ray.get`` of a call to ``RunState``, bounded (a lost control plane fails the role)."""
+        return ray.get(ref, timeout=self.timeout_s)
+
     def wait(self, method: str, *args: Any) -> Any:
-        """Block on a ``RunState`` wait in slices, failing clearly on stop or timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            result = ray.get(getattr(self.state, method).remote(*args, WAIT_SLICE_S))
-            if result:
-                return result
-            if ray.get(self.state.stopped.remote()):
-                raise RunStopped(f"run stopped while waiting ({method}{args})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.timeout_s:.0f} s for {method}{args}; the role that should "
-                                   "provide it is stuck or dead")
+        """Block on a ``RunState`` wait in slices, failing clearly on stop, or once the whole run
+        has stood still for ``fault_tolerance.wait_timeout_s`` (a role waits as long as the run
+        moves: a slow producer upstream is not a failure, a dead or stuck one is)."""
+        started = time.monotonic()
+        with self.activity.waiting(f"{method}{args}"):
+            while True:
+                result = self.call(getattr(self.state, method).remote(*args, WAIT_SLICE_S))
+                if result:
+                    return result
+                status = self.call(self.state.status.remote())
+                if status["stopped"]:
+                    raise RunStopped(f"run stopped while waiting ({method}{args})")
+                if min(time.monotonic() - started, status["stalled_s"]) > self.timeout_s:
+                    raise TimeoutError(f"waited {time.monotonic() - started:.0f} s for {method}{args} while "
+                                       f"nothing moved in the run for {status['stalled_s']:.0f} s "
+                                       "(fault_tolerance.wait_timeout_s); the role that should provide it is "
+                                       "stuck or dead")
+
+    def lease(self, only_step: int | None) -> dict[str, Any]:
+        """The next rollout unit for this worker (see ``RunState.lease``)."""
+        return self.wait("lease", self.holder, self.spec.async_policy.max_staleness, only_step)
 
     def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: str | tuple[str, ...], fields: tuple[str, ...],
                  task: str, work: Any) -> dict[str, Any]:
@@ -97,12 +116,34 @@ class RoleEnv:
             done[step]["bus_s"] = time.perf_counter() - started - computed
         return done.pop(step)
 
-    def take(self, step: int, after: str | tuple[str, ...], fields: tuple[str, ...], task: str) -> Any:
-        """This task's rows of a step, once every column in ``after`` has been announced for them."""
+    def take(self, step: int, after: str | tuple[str, ...], fields: tuple[str, ...], task: str) -> BusBatch:
+        """This task's rows of a step, once every column in ``after`` has been announced for them:
+        exactly the rows of the acknowledged rollout attempts (orphans of a failed replica are
+        skipped and counted as dropped), in sample order, token columns in one layout."""
+        partition = partition_of(step)
         for name in (after,) if isinstance(after, str) else after:
-            self.wait("wait_ready", partition_of(step), name)
-        return self.bus.get(partition_of(step), list(fields), task=task, batch_size=self.batch_size,
-                            timeout_s=self.timeout_s)
+            self.wait("wait_ready", partition, name)
+        info = self.call(self.state.unit_info.remote(step))
+        mixed = info["units"] > 1
+        with self.activity.busy(f"{task} reads step {step}"):
+            if not info["retried"]:
+                batch = self.bus.get(partition, list(fields), task=task, batch_size=self.batch_size,
+                                     timeout_s=self.timeout_s)
+                keep = list(range(len(batch)))
+            else:  # a replica failed during this step: its unacknowledged rows may be here too
+                ready = self.bus.counts(partition, task=task, fields=fields).ready
+                batch = self.bus.get(partition, list(fields), task=task, batch_size=max(ready, self.batch_size),
+                                     timeout_s=self.timeout_s)
+                keep, orphans = accepted_rows(batch.meta, info["accepted"])
+                for (unit, attempt), rows in orphans.items():
+                    self.state.drop.remote(step, unit, attempt, rows)
+                if len(keep) != self.batch_size:
+                    raise RuntimeError(f"step {step} has {len(keep)} acknowledged rows for {task}, expected "
+                                       f"{self.batch_size}; the bus and the rollout ledger disagree")
+            order = sorted(keep, key=lambda i: sample_key(batch.meta[i]))
+            if order != list(range(len(batch))):
+                batch = batch.select(order)
+            return relayout(batch) if mixed else batch
 
     def announce(self, step: int, *columns: str) -> None:
         """Tell waiting roles that ``columns`` of a step are on the bus (ordered after the writes
@@ -120,7 +161,24 @@ class RoleEnv:
         partition = partition_of(step)
         if self.consumers == 1 or ray.get(self.state.finish.remote(partition, role, self.consumers)):
             self.bus.clear_soon(partition)
-            self.state.forget.remote(partition)
+            self.state.forget.remote(partition, step)
+
+
+def sample_key(meta: Any) -> tuple[int, int]:
+    """Where a row sits in its step: (its prompt's position, its sample of that prompt)."""
+    return int(meta.extra["group"]), int(meta.extra.get("sample", 0))
+
+
+def accepted_rows(meta: list[Any], accepted: dict[int, int]) -> tuple[list[int], dict[tuple[int, int], int]]:
+    """Positions of the rows of acknowledged attempts, and the orphan rows per (unit, attempt)."""
+    keep, orphans = [], {}
+    for i, m in enumerate(meta):
+        key = int(m.extra.get("unit", 0)), int(m.extra.get("attempt", 1))
+        if accepted.get(key[0]) == key[1]:
+            keep.append(i)
+        else:
+            orphans[key] = orphans.get(key, 0) + 1
+    return keep, orphans
 
 
 def group_ids(meta: list[Any]) -> torch.Tensor:
@@ -190,6 +248,8 @@ class RolloutLoop:
         """The reward loop riding in this worker (``roles.reward.host: rollout``), if any."""
         self.estimator: AdvantageLoop | None = None
         """The advantage loop riding in this worker, if any."""
+        self.ragged = rollout_units(spec)[1] > 1
+        """Several units per step: token columns go ragged (their dense layouts would differ)."""
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -198,49 +258,79 @@ class RolloutLoop:
         return bool(self.env.spec.algorithm.dynamic_sampling.enabled) and self.scorer is not None
 
     def step(self, step: int) -> dict[str, Any]:
+        """The step's rollout, on the replica that hosts the run's step loops: lease this step's
+        units until every one is acknowledged (other replicas may generate some of them), then
+        report the step from the units' own stats."""
+        while "unit" in (got := self.env.lease(step)):
+            self.produce(got["unit"])
+        units = self.env.call(self.env.state.step_stats.remote(step))
+        return merge_unit_stats(units)
+
+    def serve(self) -> int:
+        """An extra replica: generate any admissible unit until every step is produced or the
+        replica is drained. Returns the units it produced."""
+        produced = 0
+        while "unit" in (got := self.env.lease(None)):
+            produced += self.produce(got["unit"])
+        return produced
+
+    def produce(self, unit: dict[str, Any]) -> bool:
+        """Generate one leased unit, put its rows and acknowledge it; False when the lease was
+        revoked meanwhile (the rows just put are orphans that readers skip)."""
         spec, env = self.env.spec, self.env
+        step = unit["step"]
         t0 = time.perf_counter()
         # Admission: the batch of step s may be generated by version v only if s - v <= k.
         version, weights = self.weights.wait(step - spec.async_policy.max_staleness, self.backend.version)
         t1 = time.perf_counter()
         tel = env.telemetry
         if weights is not None:
-            with tel.span(WEIGHT_SYNC, step=step, role="rollout", policy_version=version):
+            with tel.span(WEIGHT_SYNC, step=step, role="rollout", policy_version=version), \
+                    env.activity.busy(f"rollout loads weights v{version}"):
                 self.backend.load_weights(weights, version)
         t2 = time.perf_counter()
         held = self.backend.version
-        with tel.span(ROLLOUT_BATCH, step=step, policy_version=held) as span:
-            carrier = span.carrier()  # each row carries the context of the batch that made it
-            batch = self._sample(step, 0, self.schedule.indices(step), carrier)
-            sampling: dict[str, Any] = {}
-            if self.dynamic_sampling:
-                batch, sampling = self._refill(step, batch, carrier)
-            rollout_s = batch.generate_s
-            span.set(samples=len(batch.gens), tokens=batch.tokens, staleness=step - held)
-        columns = rollout_columns(batch.gens, [r["prompt"] for r in batch.rows], [r["label"] for r in batch.rows],
-                                  self.pad_token_id, [r["media"] for r in batch.rows] if self.media is not None else None)
-        ready = ["response"]
-        if self.scorer is not None:  # score (and estimate) before the one put of the step
-            columns["rewards"] = batch.rewards if batch.rewards is not None else self.scorer.score(step, columns, batch.meta)
-            ready.append("rewards")
-            if self.estimator is not None:
-                groups = torch.tensor([g.prompt_index for g in batch.gens], dtype=torch.long)
-                produced = self.estimator.estimate(step, columns["rewards"], groups, columns)
-                columns.update(produced)
-                ready += list(produced)
+        indices = self.schedule.indices(step)[unit["start"]:unit["stop"]]
+        with env.activity.busy(f"rollout generates step {step} unit {unit['unit']}"):
+            with tel.span(ROLLOUT_BATCH, step=step, policy_version=held, unit=unit["unit"],
+                          attempt=unit["attempt"]) as span:
+                carrier = span.carrier()  # each row carries the context of the batch that made it
+                batch = self._sample(step, 0, indices, carrier, unit)
+                sampling: dict[str, Any] = {}
+                if self.dynamic_sampling:
+                    batch, sampling = self._refill(step, batch, carrier, unit)
+                rollout_s = batch.generate_s
+                span.set(samples=len(batch.gens), tokens=batch.tokens, staleness=step - held)
+            columns = rollout_columns(batch.gens, [r["prompt"] for r in batch.rows], [r["label"] for r in batch.rows],
+                                      self.pad_token_id,
+                                      [r["media"] for r in batch.rows] if self.media is not None else None,
+                                      ragged=self.ragged)
+            ready = ["response"]
+            if self.scorer is not None:  # score (and estimate) before the one put of the step
+                columns["rewards"] = (batch.rewards if batch.rewards is not None
+                                      else self.scorer.score(step, columns, batch.meta))
+                ready.append("rewards")
+                if self.estimator is not None:
+                    groups = torch.tensor([g.prompt_index for g in batch.gens], dtype=torch.long)
+                    produced = self.estimator.estimate(step, columns["rewards"], groups, columns)
+                    columns.update(produced)
+                    ready += list(produced)
         t3 = time.perf_counter()
         env.bus.put(partition_of(step), columns, batch.meta)
-        env.announce(step, *ready)
-        t4 = time.perf_counter()
         skipped = {}
         if self.media is not None:  # rows replaced for bad media (data.on_bad_sample: skip)
             skipped, self.media.skipped = {"skipped_samples": self.media.skipped}, 0
-        return {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": rollout_s,
-                "bus_s": t4 - t3, "response_tokens": batch.tokens, "policy_version": held,
-                "data_order": hashlib.sha1(repr(batch.order).encode()).hexdigest()[:12], **sampling, **skipped}
+        stats = {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": rollout_s,
+                 "bus_s": time.perf_counter() - t3, "response_tokens": batch.tokens, "policy_version": held,
+                 "order": batch.order, "holder": env.holder, **sampling, **skipped}
+        # The acknowledgement announces the step's columns once its last unit is in.
+        return bool(env.call(env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready)))
 
-    def _sample(self, step: int, round_: int, indices: list[int], carrier: dict[str, str]) -> SampledBatch:
-        """Generate ``samples_per_prompt`` responses to each prompt of ``indices``."""
+    def _sample(self, step: int, round_: int, indices: list[int], carrier: dict[str, str],
+                unit: dict[str, Any]) -> SampledBatch:
+        """Generate ``samples_per_prompt`` responses to each prompt of ``indices`` (the prompts of
+        ``unit``). The seed depends on the step, the round and the unit only, so a unit generated
+        again after a failure, on any replica, draws the same samples from the same weights."""
         spec = self.env.spec
         n = spec.algorithm.samples_per_prompt
         rows = prompt_rows(self.dataset, indices, spec.data.prompt_key, spec.data.label_key, spec.data.reward_key,
@@ -250,16 +340,19 @@ class RolloutLoop:
         if self.media is not None:  # each prompt's media references (never the decoded media)
             media = {"media": [loads_context(r["media"])[1] for r in rows]}
         gens: list[Generation] = self.backend.generate([r["prompt"] for r in rows], n, spec.roles.rollout.sampling,
-                                                       sampling_seed(spec.seed, step) + round_ * 104_729, **media)
+                                                       sampling_seed(spec.seed, step) + round_ * 104_729
+                                                       + unit["unit"] * 7_919, **media)
         generate_s = time.perf_counter() - started
         tag = f"{step}" if round_ == 0 else f"{step}r{round_}"
         meta = [{"policy_version": self.backend.version, "sample_id": f"{tag}:{rows[g.prompt_index]['index']}:{i % n}",
-                 "group": g.prompt_index, "trace": carrier, "response_tokens": len(g.response_ids),
+                 "group": unit["start"] + g.prompt_index, "sample": i % n, "unit": unit["unit"],
+                 "attempt": unit["attempt"], "trace": carrier, "response_tokens": len(g.response_ids),
                  **({"reward_route": rows[g.prompt_index]["route"]} if "route" in rows[g.prompt_index] else {})}
                 for i, g in enumerate(gens)]
         return SampledBatch(rows=rows, gens=gens, meta=meta, order=list(indices), generate_s=generate_s)
 
-    def _refill(self, step: int, first: SampledBatch, carrier: dict[str, str]) -> tuple[SampledBatch, dict[str, Any]]:
+    def _refill(self, step: int, first: SampledBatch, carrier: dict[str, str],
+                unit: dict[str, Any]) -> tuple[SampledBatch, dict[str, Any]]:
         """DAPO dynamic sampling: score each round, keep the groups whose rewards differ, and sample
         more prompts (``PromptSchedule.extra``) until ``prompts_per_step`` groups are kept or
         ``dynamic_sampling.max_rounds`` rounds are spent. A short batch is topped up with dropped
@@ -288,12 +381,27 @@ class RolloutLoop:
             rounds += 1
             if len(kept) >= want or rounds >= spec.algorithm.dynamic_sampling.max_rounds:
                 break
-            batch = self._sample(step, rounds, self.schedule.extra(step, rounds), carrier)
+            batch = self._sample(step, rounds, self.schedule.extra(step, rounds), carrier, unit)
         merged = SampledBatch.merge((kept + dropped)[:want], generate_s=generate_s)
         # The reward the policy earns is the mean over every sample drawn, not over the kept ones.
         self.scorer.record(step, reward_mean=float(torch.cat(all_rewards).mean()), reward_s=score_s)
         return merged, {"sampling_rounds": rounds, "sampling_filter_rate": len(dropped) / max(groups_seen, 1),
                         "sampling_topped_up": max(0, want - len(kept))}
+
+
+def merge_unit_stats(units: list[dict[str, Any]]) -> dict[str, Any]:
+    """A step's rollout report from its units' stats: times and tokens add up, the policy version
+    is the oldest that generated any of them, ``data_order`` hashes the prompts in step order."""
+    merged: dict[str, Any] = {key: sum(u[key] for u in units) for key in
+                              ("admission_wait_s", "weight_load_s", "rollout_s", "bus_s", "response_tokens")}
+    order = [index for u in units for index in u["order"]]
+    merged.update(policy_version=min(u["policy_version"] for u in units),
+                  data_order=hashlib.sha1(repr(order).encode()).hexdigest()[:12],
+                  units=len(units), replicas=len({u["holder"] for u in units}))
+    for key in ("sampling_rounds", "sampling_filter_rate", "sampling_topped_up", "skipped_samples"):
+        if any(key in u for u in units):
+            merged[key] = sum(u.get(key, 0) for u in units)
+    return merged
 
 
 @dataclass
@@ -491,6 +599,11 @@ class TrainLoop:
         t1 = time.perf_counter()
         versions = [m.policy_version for m in batch.meta]
         lags = [step - v for v in versions]
+        ids = [m.sample_id for m in batch.meta]
+        if len(set(ids)) != len(ids):  # the exactly-once guard: never train a sample twice
+            repeated = sorted({i for i in ids if ids.count(i) > 1})
+            raise RuntimeError(f"step {step} received samples {repeated[:5]} more than once; the bus holds "
+                               "duplicate rows (a rollout ledger bug): refusing to train them")
         k = spec.async_policy.max_staleness
         tel = env.telemetry
         with tel.span(TRAIN_STEP, step=step, links=batch.meta, samples=len(versions), staleness=max(lags),
@@ -517,6 +630,7 @@ class TrainLoop:
             checkpoint_s = time.perf_counter() - t4
         env.finish(step, "actor")
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
-                "checkpoint_s": checkpoint_s, "staleness_max": max(lags),
+                "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),
+                "samples_hash": hashlib.sha1(repr(ids).encode()).hexdigest()[:12],
                 "staleness_mean": sum(lags) / len(lags),
                 "train": {k: float(v) for k, v in metrics.items()}, "end_time": time.time()}

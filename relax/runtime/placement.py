@@ -66,6 +66,33 @@ class Placement:
         for group in self.groups.values():
             remove_placement_group(group)
 
+    def bundle_of(self, instance: RoleInstance) -> dict[str, float]:
+        """The resources of the planned bundle an instance sits on."""
+        pool = next(p for p in self.plan.pools if p.name == instance.pool)
+        bundle = pool.bundles[instance.bundles[0]]
+        return {"CPU": bundle.cpus, **({"GPU": float(len(bundle.gpus))} if bundle.gpus else {})}
+
+    def spare(self, instance: RoleInstance, name: str, timeout_s: float) -> tuple[dict[str, Any], PlacementGroup]:
+        """A placement group of its own, on any node with room, for a worker like ``instance``: a
+        rollout replica added mid-run, or a worker whose planned node is gone. Returns the actor
+        options and the group (remove it when the worker leaves)."""
+        resources = self.bundle_of(instance)
+        group = placement_group([resources], strategy="PACK", name=f"relax-{self.plan.run}-{name}")
+        try:
+            ray.get(group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise PlacementError(f"no node has room for another {instance.role} worker ({resources}) after "
+                                 f"{timeout_s:.0f} s (fault_tolerance.restart_timeout_s); "
+                                 f"{ray.available_resources()} available") from None
+        options: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            "num_cpus": 0,
+        }
+        if instance.gpus:
+            options["num_gpus"] = instance.gpu_fraction
+        return options, group
+
 
 def create_placement(plan: Plan, timeout_s: float = 60.0) -> Placement:
     """Create (and wait for) one placement group per pool of the plan."""

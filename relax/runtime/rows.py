@@ -42,22 +42,53 @@ def token_columns(spec: Any) -> tuple[str, ...]:
 
 
 def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: Sequence[Any],
-                    pad_token_id: int, media: Sequence[str] | None = None) -> dict[str, Any]:
+                    pad_token_id: int, media: Sequence[str] | None = None, ragged: bool = False) -> dict[str, Any]:
     """The bus columns of a step's generations (``prompts``/``labels``/``media`` indexed by
-    prompt_index; ``media`` holds each prompt's JSON context when the data has media)."""
-    packed = collate(gens, torch.zeros(len(gens)), pad_token_id)
+    prompt_index; ``media`` holds each prompt's JSON context when the data has media).
+
+    ``ragged``: the step is put in several units (several rollout replicas), whose dense layouts
+    would differ; the token columns then go as one unpadded ``prompt + response`` tensor per row,
+    and readers lay them out again (``relayout``)."""
     lengths = torch.tensor([[len(g.prompt_ids), len(g.response_ids)] for g in gens], dtype=torch.long)
+    if ragged:
+        input_ids: Any = [torch.tensor([*g.prompt_ids, *g.response_ids], dtype=torch.long) for g in gens]
+        logprobs: Any = [torch.tensor([0.0] * len(g.prompt_ids) + list(g.logprobs), dtype=torch.float32)
+                         for g in gens]
+    else:
+        packed = collate(gens, torch.zeros(len(gens)), pad_token_id)
+        input_ids, logprobs = packed.input_ids, packed.rollout_logprobs
     columns = {
         "prompt": [prompts[g.prompt_index] for g in gens],
         "response": [g.text for g in gens],
         "label": [labels[g.prompt_index] for g in gens],
-        "input_ids": packed.input_ids,
-        "rollout_logprobs": packed.rollout_logprobs,
+        "input_ids": input_ids,
+        "rollout_logprobs": logprobs,
         "lengths": lengths,
     }
     if media is not None:
         columns[MEDIA_COLUMN] = [str(media[g.prompt_index]) for g in gens]
     return columns
+
+
+def relayout(batch: Any) -> Any:
+    """A ``BusBatch`` whose ragged token columns (``rollout_columns(ragged=True)``) are laid out as
+    one dense tensor in the trainer's layout, the prompts right-aligned at the batch's widest
+    prompt. Columns other roles wrote for the whole step are dense already and stay as they are."""
+    lengths = batch.fields.get("lengths")
+    ragged = [name for name in ("input_ids", "rollout_logprobs") if isinstance(batch.fields.get(name), list)]
+    if lengths is None or not ragged:
+        return batch
+    lengths = lengths.long()
+    prompt_width = int(lengths[:, 0].max())
+    width = prompt_width + int(lengths[:, 1].max())
+    for name in ragged:
+        rows = batch.fields[name]
+        dense = torch.zeros((len(rows), width), dtype=rows[0].dtype)
+        for i, row in enumerate(rows):
+            start = prompt_width - int(lengths[i, 0])
+            dense[i, start:start + row.shape[0]] = row
+        batch.fields[name] = dense
+    return batch
 
 
 def train_batch(columns: dict[str, Any], versions: Sequence[int]) -> TrainBatch:

@@ -1,4 +1,5 @@
-"""The run's small control-plane service: policy versions, data-ready signals, per-step reports.
+"""The run's small control-plane service: policy versions, data-ready signals, per-step reports,
+the rollout work ledger and the workers' heartbeats.
 
 One async Ray actor per run. It never carries sample data (that goes through the bus) nor weight
 bytes (those stay in the object store; it holds only references). Roles block on it instead of
@@ -10,13 +11,21 @@ for each step's reports.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
+
+from relax.runtime.ledger import RolloutLedger
 
 
 class RunState:
     """Versions, signals and reports of one run (use as ``ray.remote(RunState)``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: RolloutLedger | None = None) -> None:
+        self._ledger = ledger
+        self._draining: set[str] = set()
+        self._beats: dict[str, dict[str, Any]] = {}
+        self._done_steps: dict[str, int] = {}
+        self._moved_at = time.time()
         self._cond = asyncio.Condition()
         self._version = -1
         self._weights: list[Any] = []
@@ -26,6 +35,7 @@ class RunState:
         self._failure: str | None = None
 
     async def _notify(self) -> None:
+        self._moved_at = time.time()
         async with self._cond:
             self._cond.notify_all()
 
@@ -66,14 +76,104 @@ class RunState:
         done = sum(1 for p, f in self._ready if p == partition and f.startswith("done:"))
         return done >= consumers
 
-    async def forget(self, partition: str) -> None:
-        """Drop a finished partition's signals."""
+    async def forget(self, partition: str, step: int | None = None) -> None:
+        """Drop a finished partition's signals (and its step's rollout units)."""
         self._ready = {key for key in self._ready if key[0] != partition}
+        if step is not None and self._ledger is not None:
+            self._ledger.forget(step)
+
+    # -- the rollout work ledger (see relax.runtime.ledger) ---------------------------------------
+
+    async def lease(self, holder: str, max_staleness: int, only_step: int | None,
+                    timeout_s: float) -> dict[str, Any] | None:
+        """The next unit of rollout work for ``holder``: ``{"unit": ...}``; ``{"done": True}`` once
+        ``only_step`` is complete (or, without it, every step is); ``{"drain": True}`` when the
+        replica is being removed; None on timeout or stop. Without ``only_step`` a unit of step s
+        is leased only once policy version s - max_staleness is published (admission control)."""
+        ledger = self._ledger
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with self._cond:
+            while not self._stopped:
+                if holder in self._draining:
+                    return {"drain": True}
+                if only_step is not None and ledger.step_done(only_step):
+                    return {"done": True}
+                unit = ledger.lease(holder, self._version + max_staleness, only_step)
+                if unit is not None:
+                    return {"unit": unit}
+                if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
+                    return {"done": True}
+                try:
+                    await asyncio.wait_for(self._cond.wait(), max(deadline - loop.time(), 0.0))
+                except TimeoutError:
+                    return None
+        return None
+
+    async def complete(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
+                       columns: list[str]) -> bool:
+        """Acknowledge a unit; when it completes its step, ``columns`` are announced for the step's
+        partition. False when the lease was revoked (the rows just put are orphans)."""
+        accepted = self._ledger.complete(holder, step, unit, attempt, stats)
+        if accepted and self._ledger.step_done(step):
+            self._ready.update((f"step-{step}", column) for column in columns)
+        await self._notify()
+        return accepted
+
+    async def release(self, holder: str) -> int:
+        """A replica failed or left: its leased units go back to pending. Returns their samples."""
+        samples = self._ledger.release(holder) if self._ledger is not None else 0
+        self._draining.discard(holder)
+        self._beats.pop(holder, None)
+        await self._notify()
+        return samples
+
+    async def drain(self, holder: str) -> None:
+        """Ask a replica to finish its current unit and lease no more."""
+        self._draining.add(holder)
+        await self._notify()
+
+    async def unit_info(self, step: int) -> dict[str, Any]:
+        """What a reader of a step needs: how many units, which attempt of each counts, and
+        whether any unit was retried (then orphan rows may be on the bus)."""
+        ledger = self._ledger
+        return {"units": ledger.units_per_step, "accepted": ledger.accepted(step), "retried": ledger.retried(step)}
+
+    async def drop(self, step: int, unit: int, attempt: int, rows: int) -> None:
+        self._ledger.drop(step, unit, attempt, rows)
+
+    async def step_stats(self, step: int) -> list[dict[str, Any]]:
+        return self._ledger.step_stats(step)
+
+    async def counters(self) -> dict[str, Any]:
+        c = self._ledger.counters
+        return {"produced": c.produced, "regenerated": c.regenerated, "dropped": c.dropped,
+                "by_holder": dict(c.by_holder)}
+
+    # -- health ------------------------------------------------------------------------------------
+
+    async def beat(self, holder: str, activity: str, busy_since: float | None) -> None:
+        """A worker is alive; ``busy_since`` is when its current piece of work began (None while it
+        waits on others)."""
+        self._beats[holder] = {"at": time.time(), "activity": activity, "busy_since": busy_since}
+
+    async def health(self) -> dict[str, dict[str, Any]]:
+        return {holder: dict(beat) for holder, beat in self._beats.items()}
+
+    async def status(self) -> dict[str, Any]:
+        """Whether the run is stopped, and for how long nothing moved in it (no publish, signal,
+        report or unit): a waiting role gives up only on a run that stands still."""
+        return {"stopped": self._stopped, "stalled_s": time.time() - self._moved_at}
+
+    async def progress(self) -> dict[str, int]:
+        """Per report name, the last step it reported (where a restarted role picks up)."""
+        return dict(self._done_steps)
 
     # -- per-step reports -----------------------------------------------------------------------
 
     async def report(self, step: int, role: str, stats: dict[str, Any]) -> None:
         self._reports.setdefault(step, {})[role] = stats
+        self._done_steps[role] = max(step, self._done_steps.get(role, -1))
         await self._notify()
 
     async def wait_reports(self, step: int, roles: list[str], timeout_s: float) -> dict[str, dict[str, Any]] | None:

@@ -17,6 +17,7 @@ import torch
 
 from relax.bus import Bus
 from relax.runtime.checkpoint import restore_rng
+from relax.runtime.health import Heartbeat
 from relax.runtime.loops import (
     AdvantageLoop,
     InProcessWeights,
@@ -26,6 +27,7 @@ from relax.runtime.loops import (
     RolloutLoop,
     RunStopped,
     TrainLoop,
+    partition_of,
 )
 from relax.runtime.model_roles import CriticTrainLoop, CriticValueLoop, ForwardLoop
 from relax.spec.models import RunSpec
@@ -36,7 +38,7 @@ class RoleWorker:
     """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
 
     def __init__(self, spec: RunSpec, base_dir: str, model_path: str, roles: list[str], state: Any,
-                 start_step: int, resume_from: str | None, threads: int | None, timeout_s: float,
+                 start_step: int, resume_from: str | None, threads: int | None, holder: str,
                  run_carrier: dict[str, str], spec_hash: str) -> None:
         from transformers.utils import logging as hf_logging
 
@@ -50,9 +52,12 @@ class RoleWorker:
         output_dir = output_dir if output_dir.is_absolute() else Path(base_dir) / output_dir
         telemetry = Telemetry.from_spec(spec, output_dir, role="/".join(roles), spec_hash=spec_hash,
                                         run_carrier=run_carrier)
+        faults = spec.fault_tolerance
         self.env = RoleEnv(spec=spec, base_dir=Path(base_dir), output_dir=output_dir, bus=Bus.attach(),
-                           state=state, timeout_s=timeout_s, threads=threads, model_path=model_path,
-                           telemetry=telemetry)
+                           state=state, timeout_s=faults.wait_timeout_s, threads=threads, model_path=model_path,
+                           telemetry=telemetry, holder=holder)
+        # Beats from the start: building a model can take long, and a frozen build is a hang too.
+        self.heartbeat = Heartbeat(state, holder, self.env.activity, faults.heartbeat_s)
         resume = Path(resume_from) if resume_from else None
         if resume is not None:
             restore_rng(resume)
@@ -76,8 +81,10 @@ class RoleWorker:
         # Co-hosted roles pass a step's rows along in memory: the rollout to the scorer riding on
         # it, the scorer to the advantage estimator; the last of them writes to the bus. An
         # estimator that reads the critic's or the reference's columns waits for them on the bus.
+        # The scorer rides on the rollout only when one replica makes whole steps: with several,
+        # a step's units come from different processes and are scored from the bus.
         inline = advantage if advantage is not None and not advantage.reads else None
-        if rollout is not None:
+        if rollout is not None and spec.roles.rollout.replica_limit == 1:
             rollout.scorer, rollout.estimator = reward, inline
         elif reward is not None:
             reward.handoff = inline
@@ -90,17 +97,30 @@ class RoleWorker:
         return {"roles": self.roles, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads()}
 
-    def run(self, start_step: int) -> dict[str, Any]:
-        """Run every step from ``start_step``; stop quietly when the run is stopped."""
+    def run(self, start_step: int, resumed: dict[str, int] | None = None) -> dict[str, Any]:
+        """Run every step from ``start_step``; stop quietly when the run is stopped.
+
+        ``resumed`` (a worker restarted in place): per report name, the last step it reported
+        before the failure; each loop picks up after it, and first gets back the rows of its
+        next step that the failed process may have taken without finishing them."""
         steps = self.spec.trainer.steps
+        starts = {loop.role: start_step for loop in self.loops}
+        if resumed:
+            starts = {role: max(start_step, resumed.get(role, start_step - 1) + 1) for role in starts}
+            for loop in self.loops:
+                if loop.role != "rollout" and starts[loop.role] < steps:
+                    self.env.bus.reset_consumption(partition_of(starts[loop.role]), loop.role)
         done = start_step
         role = "/".join(self.roles)
         try:
-            for step in range(start_step, steps):
+            for step in range(min(starts.values(), default=steps), steps):
                 for loop in self.loops:
+                    if step < starts[loop.role]:
+                        continue
                     role = loop.role
                     started, wall = time.perf_counter(), time.time()
-                    stats = loop.step(step)
+                    with self.env.activity.busy(f"{loop.role} step {step}"):
+                        stats = loop.step(step)
                     stats["busy_s"] = time.perf_counter() - started
                     stats["started_at"] = wall
                     self.state.report.remote(step, loop.role, stats)
@@ -108,14 +128,30 @@ class RoleWorker:
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
+            # The controller decides what a failure does (restart this worker, resume the run from
+            # its checkpoint, or stop it): fault_tolerance.roles.
             detail = "".join(traceback.format_exception(exc))
-            ray.get(self.state.stop.remote(f"{role} failed at step {done}: {exc}"))
             raise RuntimeError(f"role {role} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "steps_done": done, "stopped": False}
 
+    def serve(self) -> dict[str, Any]:
+        """An extra rollout replica: produce units until the run needs no more or it is drained."""
+        try:
+            with self.env.activity.waiting("rollout replica leases units"):
+                units = self.loops[0].serve()
+        except RunStopped:
+            return {"roles": self.roles, "units": 0, "stopped": True}
+        except Exception as exc:
+            detail = "".join(traceback.format_exception(exc))
+            raise RuntimeError(f"rollout replica {self.env.holder} failed: {type(exc).__name__}: {exc}\n{detail}") from None
+        finally:
+            self.env.telemetry.flush()
+        return {"roles": self.roles, "units": units, "stopped": False}
+
     def close(self) -> None:
         """Flush this process's spans and let go of the bus (called before the actor is killed)."""
+        self.heartbeat.stop()
         self.env.telemetry.shutdown()
         self.env.bus.close()

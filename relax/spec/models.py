@@ -22,6 +22,7 @@ TracingExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 BadSamplePolicy = Literal["error", "skip"]
+FailurePolicy = Literal["restart", "resume", "stop"]
 
 #: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
 PluginOptions = dict[str, Any]
@@ -289,11 +290,23 @@ class RolloutRole(Section):
     """Share of each GPU the engine may use for weights plus KV cache."""
     options: PluginOptions = Field(default_factory=dict)
     """Options of the rollout backend, checked against its ``Config``."""
+    max_replicas: int | None = Field(None, ge=1)
+    """Elastic rollout (separate mode): ``relax scale RUN_DIR rollout=N`` may run up to this many
+    replicas mid-run (each new one gets a bundle like the planned ones). null: fixed at ``replicas``."""
+    unit_prompts: int | None = Field(None, ge=1)
+    """Prompts per unit of rollout work: a unit is leased to one replica and generated again whole
+    if that replica fails. null: the whole step when one replica runs and the run is not elastic,
+    else ``prompts_per_step / max(replicas, max_replicas)`` rounded up."""
 
     @property
     def gpus(self) -> int:
         """GPUs of all replicas together."""
         return self.replicas * self.gpus_per_replica
+
+    @property
+    def replica_limit(self) -> int:
+        """The most replicas this run may have at once."""
+        return max(self.replicas, self.max_replicas or self.replicas)
 
 
 class ForwardRole(Section):
@@ -420,6 +433,57 @@ class TrainerSpec(Section):
     """Checkpoints kept on disk (the oldest are deleted)."""
 
 
+class RoleFaultPolicy(Section):
+    """What a failure of one role does."""
+
+    on_failure: FailurePolicy = "restart"
+    """restart: start the role again in place, on its planned bundle (stateless roles only);
+    resume: restart the whole run from its last checkpoint; stop: end the run with a report."""
+    max_restarts: int = Field(3, ge=0)
+    """Failures of this role that are recovered; the next one stops the run with a report."""
+
+
+def _stateful(max_restarts: int = 2) -> RoleFaultPolicy:
+    return RoleFaultPolicy(on_failure="resume", max_restarts=max_restarts)
+
+
+class FaultRoles(Section):
+    """The recovery policy of each role. A worker process that hosts several roles (colocate's
+    rollout and actor) follows the strictest of them: stop, then resume, then restart."""
+
+    rollout: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    reward: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    advantage: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    reference: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    actor_fwd: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    actor: RoleFaultPolicy = Field(default_factory=_stateful)
+    """The trainer holds the policy and optimizer state: a failure resumes the run from its last
+    checkpoint."""
+    critic: RoleFaultPolicy = Field(default_factory=_stateful)
+    """The critic holds its value head and optimizer state, like the actor."""
+    controller: RoleFaultPolicy = Field(default_factory=_stateful)
+    """The run's control-plane service (versions, data-ready signals, the rollout work ledger)."""
+
+
+class FaultToleranceSpec(Section):
+    """How failures are detected and recovered. Every wait in the runtime is bounded."""
+
+    heartbeat_s: float = Field(1.0, gt=0.0)
+    """How often each role worker reports that it is alive and what it is doing."""
+    heartbeat_timeout_s: float = Field(30.0, gt=0.0)
+    """A worker silent this long (frozen, or its node lost) is declared hung and handled as failed."""
+    progress_timeout_s: float = Field(1800.0, gt=0.0)
+    """One piece of work (a rollout unit, a scoring batch, a train step) may last this long; past it
+    the worker is declared hung. Waiting on another role does not count."""
+    wait_timeout_s: float = Field(300.0, gt=0.0)
+    """The longest any wait on another role may last (bus reads, weight sync, data-ready signals)
+    before the run stops with an error naming what it waited for."""
+    restart_timeout_s: float = Field(120.0, gt=0.0)
+    """How long a restarted worker may take to be placed and ready before the run gives up on it."""
+    roles: FaultRoles = Field(default_factory=FaultRoles)
+    """Per role: restart in place, resume the run from its checkpoint, or stop."""
+
+
 class TracingSpec(Section):
     """OpenTelemetry tracing of the run."""
 
@@ -468,6 +532,8 @@ class RunSpec(Section):
     """The training loop."""
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     """Tracing."""
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    """Failure detection and recovery."""
 
     @model_validator(mode="after")
     def _default_output_dir(self) -> "RunSpec":

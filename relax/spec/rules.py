@@ -8,6 +8,7 @@ path a user should edit and says what to do instead.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -501,6 +502,85 @@ def check_rewards(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
             yield from ctx.registry.validate_options(kind, name, options, f"rewards[{i}].options.{field_name}_options")
 
 
+def rollout_units(spec: RunSpec) -> tuple[int, int]:
+    """How a step's prompts are cut into units of rollout work: (prompts per unit, units per step).
+
+    A unit is leased to one rollout replica and generated again whole if that replica fails. Unless
+    ``roles.rollout.unit_prompts`` sets it, a unit is the whole step when the run has one replica
+    and is not elastic, else ``prompts_per_step / replica_limit`` rounded up (one unit per replica)."""
+    prompts = spec.algorithm.prompts_per_step
+    limit = spec.roles.rollout.replica_limit
+    unit = spec.roles.rollout.unit_prompts or (prompts if limit == 1 else math.ceil(prompts / limit))
+    return unit, math.ceil(prompts / unit)
+
+
+def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """An elastic rollout (``max_replicas`` above ``replicas``) runs in separate mode only, units of
+    rollout work fit in a step, and dynamic sampling gets a whole step in one replica."""
+    rollout, algo, mode = spec.roles.rollout, spec.algorithm, spec.placement.mode
+    if rollout.max_replicas is not None and rollout.max_replicas < rollout.replicas:
+        yield SpecIssue("roles.rollout.max_replicas",
+                        f"{rollout.max_replicas} is below roles.rollout.replicas ({rollout.replicas}), the "
+                        "replicas the run starts with",
+                        f"set it to {rollout.replicas} or more, or remove it for a fixed number of replicas")
+    elif rollout.max_replicas is not None and rollout.max_replicas > rollout.replicas and mode != "separate":
+        why = ("in colocate mode the rollout time-shares the actor's GPUs, so it cannot grow past them"
+               if mode == "colocate" else
+               "elastic rollout is only for separate mode")
+        yield SpecIssue("roles.rollout.max_replicas",
+                        f"{rollout.max_replicas} replicas (above replicas: {rollout.replicas}) make the rollout "
+                        f"elastic, but {why}",
+                        f"set placement.mode: separate, or remove max_replicas (or set it to {rollout.replicas})")
+    if rollout.unit_prompts is not None and rollout.unit_prompts > algo.prompts_per_step:
+        yield SpecIssue("roles.rollout.unit_prompts",
+                        f"{rollout.unit_prompts} is more than algorithm.prompts_per_step ({algo.prompts_per_step}); "
+                        "a unit of rollout work is a part of one step's prompts",
+                        f"set it to {algo.prompts_per_step} or less, or remove it to let the runtime choose")
+    unit, units = rollout_units(spec)
+    if algo.dynamic_sampling.enabled and units > 1:
+        yield SpecIssue("algorithm.dynamic_sampling.enabled",
+                        f"dynamic sampling scores and refills a whole step inside one rollout replica, but a step "
+                        f"of {algo.prompts_per_step} prompts is cut into {units} units of {unit} prompts "
+                        f"(up to {rollout.replica_limit} replicas)",
+                        "set it to false, or give the rollout whole-step units (roles.rollout.unit_prompts: "
+                        f"{algo.prompts_per_step}, or one replica without max_replicas)")
+
+
+#: Roles holding state that a restart in place would lose, and what that state is.
+STATEFUL_ROLES = {
+    "actor": "the policy and optimizer state",
+    "critic": "the value head and optimizer state",
+    "controller": "the run's ledger (policy versions, data-ready signals, rollout work)",
+}
+
+#: ``heartbeat_timeout_s`` is at least this many heartbeats, so that a busy machine does not flag
+#: healthy workers as hung.
+HEARTBEATS_PER_TIMEOUT = 3
+
+
+def check_fault_tolerance(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Stateful roles are never restarted in place, and the failure-detection timeouts are ordered:
+    heartbeat interval x 3 <= heartbeat timeout <= progress timeout."""
+    ft = spec.fault_tolerance
+    for name, state in STATEFUL_ROLES.items():
+        if getattr(ft.roles, name).on_failure == "restart":
+            yield SpecIssue(f"fault_tolerance.roles.{name}.on_failure",
+                            f"restart would start the {name} again in place, losing {state}",
+                            "use resume (restart the run from its last checkpoint) or stop")
+    least = HEARTBEATS_PER_TIMEOUT * ft.heartbeat_s
+    if ft.heartbeat_timeout_s < least:
+        yield SpecIssue("fault_tolerance.heartbeat_timeout_s",
+                        f"{ft.heartbeat_timeout_s:g}s is less than {HEARTBEATS_PER_TIMEOUT} heartbeats "
+                        f"(heartbeat_s {ft.heartbeat_s:g}s): a busy machine would flag healthy workers as hung",
+                        f"set it to {least:g} or more, or lower fault_tolerance.heartbeat_s")
+    if ft.progress_timeout_s < ft.heartbeat_timeout_s:
+        yield SpecIssue("fault_tolerance.progress_timeout_s",
+                        f"{ft.progress_timeout_s:g}s is shorter than heartbeat_timeout_s "
+                        f"({ft.heartbeat_timeout_s:g}s): a piece of work must be allowed at least as long as a "
+                        "silent worker", f"set it to {ft.heartbeat_timeout_s:g} or more, "
+                        "or lower fault_tolerance.heartbeat_timeout_s")
+
+
 def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """The OTLP exporter is an optional extra: asking for it without it installed is an error."""
     if spec.tracing.exporter == "otlp":
@@ -527,6 +607,8 @@ RULES: tuple[Rule, ...] = (
     check_modalities,
     check_media_files,
     check_rewards,
+    check_rollout_scaling,
+    check_fault_tolerance,
     check_tracing,
 )
 

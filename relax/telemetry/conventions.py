@@ -37,6 +37,11 @@ WEIGHT_SYNC: Final = "relax.weight_sync"
 """Publishing (actor) or loading (rollout) a policy version."""
 CHECKPOINT: Final = "relax.checkpoint"
 """Writing a checkpoint."""
+FAULT: Final = "relax.fault"
+"""A failure the controller handled (in the driver): which worker, why, and what it did
+(``relax.action``: restart, resume, stop; ``relax.regenerated`` samples leased again)."""
+SCALE: Final = "relax.scale"
+"""Rollout replicas added or removed mid-run (``relax scale``)."""
 
 #: The role each work span belongs to (``relax.weight_sync`` takes the caller's role).
 ROLE_OF_SPAN: Final[dict[str, str]] = {

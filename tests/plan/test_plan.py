@@ -235,6 +235,23 @@ def test_reward_gpus_need_reward_workers_of_their_own() -> None:
     assert "roles.reward.gpus_per_replica" in issue_paths(exc)
 
 
+def test_an_elastic_rollout_is_shown_with_its_limit() -> None:
+    _, plan = plan_of("qwen3-4b-grpo-async", "roles.rollout.max_replicas=6")
+    assert plan.rollout_max_replicas == 6
+    assert len(plan.instances_of("rollout")) == 4  # the planned replicas; scaling adds bundles later
+    table = render(plan, "table")
+    assert "rollout: elastic up to 6 replicas (4 planned;" in table
+    assert table.index("rollout: elastic") < table.index("Placement and memory")
+    assert json.loads(render(plan, "json"))["rollout_max_replicas"] == 6
+
+
+@pytest.mark.parametrize("overrides", [(), ("roles.rollout.max_replicas=4",)])
+def test_a_fixed_rollout_is_not_shown_as_elastic(overrides: tuple[str, ...]) -> None:
+    _, plan = plan_of("qwen3-4b-grpo-async", *overrides)  # 4 replicas; max_replicas 4 is not elastic
+    assert plan.rollout_max_replicas is None
+    assert "elastic" not in render(plan, "table")
+
+
 def test_plan_schema_is_current() -> None:
     from relax.plan.model import Plan
 

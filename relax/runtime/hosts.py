@@ -1,0 +1,71 @@
+"""Which worker processes a run has: one per planned bundle, and one per extra rollout replica.
+
+Roles whose first instances share a bundle share a process and hand data over in memory; each
+rollout instance past the first is a process of its own that only generates (it leases units of
+rollout work, see ``relax.runtime.ledger``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from relax.plan.model import Plan, RoleInstance
+from relax.spec.models import RunSpec
+
+ROLES = ("rollout", "reward", "advantage", "actor")
+#: Model roles a spec may add (each a block under ``roles``).
+OPTIONAL_ROLES = ("reference", "critic", "actor_fwd")
+MODEL_ROLES = frozenset({"rollout", "actor", *OPTIONAL_ROLES})
+
+
+@dataclass
+class Host:
+    """One role worker to start: the roles it hosts and the plan instance whose bundle it takes."""
+
+    roles: list[str]
+    instance: RoleInstance
+    threads: int
+    replica: int = 0
+    """0 for a worker that hosts the run's step loops; n > 0 for the n-th extra rollout replica."""
+
+    @property
+    def holder(self) -> str:
+        """The worker's name in the run: its roles, and the replica number of an extra replica."""
+        return "/".join(self.roles) + (f"#{self.replica}" if self.replica else "")
+
+
+def run_roles(spec: RunSpec) -> list[str]:
+    """The roles of a run, in data order (the plan's names)."""
+    optional = [name for name in OPTIONAL_ROLES if getattr(spec.roles, name) is not None]
+    return [*ROLES, *optional]
+
+
+def report_names(spec: RunSpec) -> list[str]:
+    """The per-step reports the controller waits for: one per role loop (the critic has two)."""
+    names = run_roles(spec)
+    return names + (["critic_values"] if spec.roles.critic is not None else [])
+
+
+def plan_hosts(plan: Plan, roles: list[str] | None = None) -> list[Host]:
+    """One worker process per planned bundle: roles whose first instances share a bundle share a
+    process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
+    advantage), and hand data to each other in memory."""
+    cores = os.cpu_count() or 2
+    by_bundle: dict[tuple[str, int], list[RoleInstance]] = {}
+    for role in roles or ROLES:
+        first = plan.instances_of(role)[0]
+        by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
+    replicas = plan.instances_of("rollout")[1:] if "rollout" in (roles or ROLES) else []
+    model_processes = sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group}) + len(replicas)
+    hosts = []
+    for group in by_bundle.values():
+        roles = [i.role for i in group]
+        has_model = bool(MODEL_ROLES & set(roles))
+        anchor = next((i for i in group if i.role == "actor"), group[0])
+        hosts.append(Host(roles, anchor, max(1, cores // model_processes) if has_model else 1))
+    threads = max(1, cores // model_processes)
+    hosts += [Host(["rollout"], instance, threads, replica=instance.rank) for instance in replicas]
+    return hosts
+
+
