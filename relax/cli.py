@@ -87,6 +87,31 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from relax.runtime.control import ControlError, control_call, parse_scale
+
+    run_dir = Path(args.run_dir)
+    try:
+        request = parse_scale(args.changes) if args.changes else None
+    except ControlError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        if request is None:
+            status = control_call(run_dir, "GET", "/status", timeout_s=30)
+            print(json.dumps(status, indent=2))
+            return EXIT_OK
+        result = control_call(run_dir, "POST", "/scale", request)
+    except ControlError as exc:
+        print(f"relax scale: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    change = result["rollout"]
+    print(f"rollout replicas: {change['before']} -> {change['after']}")
+    for replica in result["replicas"]:
+        state = " (draining)" if replica["draining"] else ""
+        print(f"  {replica['holder']}  node {str(replica['node'])[:12]}{state}")
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from relax.spec.schema import schema_text, spec_reference_markdown
 
@@ -172,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("run_dir", help="the run's output_dir (holds traces.jsonl), or the traces file")
     trace.add_argument("--chrome", metavar="OUT.json", help="also write a Chrome/Perfetto timeline")
     trace.set_defaults(func=cmd_trace)
+
+    scale = sub.add_parser("scale", help="add or remove rollout replicas of a running elastic run",
+                           description="Add or remove rollout replicas of a running run (roles.rollout.max_replicas "
+                                       "bounds them); without ROLE=N, print the run's replicas and counters.")
+    scale.add_argument("run_dir", help="the running run's output_dir (holds control.json while it runs)")
+    scale.add_argument("changes", nargs="*", metavar="ROLE=N", help="e.g. rollout=2")
+    scale.set_defaults(func=cmd_scale)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
     schema.add_argument("--write", action="store_true",

@@ -58,3 +58,103 @@ def tiny_run(out_dir: Path, name: str, *overrides: str, resume: bool = False,
     metrics = Path(out_dir) / name / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return code, rows, out.getvalue()
+
+
+class LiveRun:
+    """A ``relax run`` in a process of its own (its own embedded Ray, or joining ``cluster.address``),
+    for tests and benchmarks that fail, hang or scale its workers while it trains::
+
+        run = LiveRun(tmp_path, "chaos", "trainer.steps=12").start()
+        run.wait_rows(3)
+        run.kill_worker("rollout")          # kill -9 the worker hosting the rollout
+        assert run.wait() == 0 and run.rows()[-1]["samples/produced"] == run.rows()[-1]["samples/consumed"]
+    """
+
+    def __init__(self, out_dir: Path, name: str, *overrides: str, preset: str = "tiny-cpu",
+                 resume: bool = False, env: dict[str, str] | None = None) -> None:
+        self.run_dir = Path(out_dir) / name
+        self.args = [preset, f"name={name}", f"trainer.output_dir={self.run_dir}", *overrides]
+        self.resume, self.env = resume, env
+        self.process: Any = None
+        self.log = Path(out_dir) / f"{name}.log"
+
+    def start(self) -> LiveRun:
+        import os
+        import subprocess
+        import sys
+
+        command = [sys.executable, "-m", "relax", "run", *self.args, *(["--resume"] if self.resume else [])]
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(self.env or {})})
+        return self
+
+    def rows(self) -> list[dict[str, Any]]:
+        metrics = self.run_dir / "metrics.jsonl"
+        if not metrics.exists():
+            return []
+        rows = []
+        for line in metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written right now
+                break
+        return rows
+
+    def _until(self, what: str, check: Any, timeout_s: float) -> Any:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (found := check()):
+                return found
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the run ended (exit {self.process.returncode}) before {what}:\n{self.output()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"no {what} after {timeout_s:.0f} s:\n{self.output()}")
+
+    def wait_rows(self, n: int, timeout_s: float = 300) -> list[dict[str, Any]]:
+        """Block until metrics.jsonl has ``n`` step rows."""
+        return self._until(f"{n} step rows", lambda: len(self.rows()) >= n and self.rows(), timeout_s)
+
+    def status(self, timeout_s: float = 120) -> dict[str, Any]:
+        """The controller's ``GET /status`` (waits for the controller to be up)."""
+        from relax.runtime.control import ControlError, control_call
+
+        def ask() -> Any:
+            try:
+                return control_call(self.run_dir, "GET", "/status", timeout_s=10)
+            except ControlError:
+                return None
+
+        return self._until("a controller answering /status", ask, timeout_s)
+
+    def worker(self, role: str) -> dict[str, Any]:
+        """The first worker hosting ``role``, as ``/status`` describes it (holder, pid, node)."""
+        return self._until(f"a ready worker hosting {role}", lambda: next(
+            (w for w in self.status()["workers"] if role in w["roles"] and w["pid"]), None), 120)
+
+    def signal_worker(self, role: str, signal: int) -> dict[str, Any]:
+        """Send ``signal`` to the process of the worker hosting ``role``; returns that worker."""
+        import os
+
+        found = self.worker(role)
+        os.kill(found["pid"], signal)
+        return found
+
+    def kill_worker(self, role: str) -> dict[str, Any]:
+        """``kill -9`` the worker process hosting ``role``."""
+        import signal
+
+        return self.signal_worker(role, signal.SIGKILL)
+
+    def scale(self, replicas: int) -> dict[str, Any]:
+        from relax.runtime.control import control_call
+
+        return control_call(self.run_dir, "POST", "/scale", {"rollout": replicas})
+
+    def wait(self, timeout_s: float = 600) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""

@@ -32,6 +32,8 @@ from relax.runtime.metrics import MetricsLog, Progress, step_row
 from relax.spec.models import RunSpec
 from relax.spec.rules import rollout_units
 
+#: How often the controller looks at its workers (ended tasks, heartbeats, scale requests).
+SUPERVISE_S = 0.5
 #: The order in which several roles' policies in one worker win: the strictest first.
 POLICY_ORDER = ("stop", "resume", "restart")
 
@@ -58,6 +60,7 @@ class Slot:
     task: Any = None
     """The ObjectRef of its ``run``/``serve`` call."""
     node: str | None = None
+    pid: int | None = None
     ready_at: float = 0.0
     group: Any = None
     """A placement group of its own (a replica added by scaling, or re-placed after a node loss)."""
@@ -70,7 +73,13 @@ class Slot:
 
 @dataclass
 class ScaleRequest:
+    """``POST /scale`` on its way: the HTTP thread waits on ``done`` for ``result``."""
+
     replicas: int
+    before: int = 0
+    joining: list[tuple[Slot, Any]] = field(default_factory=list)
+    """New replicas and their ``ready`` calls, until each serves."""
+    deadline: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -92,6 +101,7 @@ class Controller:
         self._consumed = 0
         self._counters: dict[str, Any] = {}
         self._slots: list[Slot] = []
+        self._joins: list[ScaleRequest] = []
         self._next_replica = 0
 
     # -- the run, and its resumes -------------------------------------------------------------
@@ -131,6 +141,11 @@ class Controller:
                         self.metrics = MetricsLog(self.output_dir, start)
                         print(f"relax run: {exc.reason}; resuming from step {start}", flush=True)
         finally:
+            late = list(self._joins)
+            while not self.scale_requests.empty():  # asked too late: say so instead of hanging up
+                late.append(self.scale_requests.get())
+            for item in late:
+                self._answer(item, {"error": "the run ended before the change could be applied"})
             control.close()
             self.placement.remove()
             self.bus.close()
@@ -208,7 +223,7 @@ class Controller:
         import ray
 
         info = ray.get(slot.worker.ready.remote(), timeout=timeout_s)
-        slot.node, slot.ready_at = info["node"], time.time()
+        slot.node, slot.pid, slot.ready_at = info["node"], info["pid"], time.time()
 
     def _begin(self, slot: Slot, resumed: dict[str, int] | None) -> None:
         if slot.host.replica > 0:
@@ -221,12 +236,20 @@ class Controller:
     def _watch(self, start: int) -> None:
         names = report_names(self.run_spec)
         last_end = time.time()
+        supervised = 0.0
         for step in range(start, self.run_spec.trainer.steps):
             while True:
-                reports = self._control(self.state.wait_reports.remote(step, names, 1.0))
+                # Supervise at least every SUPERVISE_S, also while steps keep arriving.
+                if time.monotonic() - supervised >= SUPERVISE_S:
+                    self._supervise()
+                    supervised = time.monotonic()
+                reports = self._control(self.state.wait_reports.remote(step, names, SUPERVISE_S))
                 if reports:
                     break
-                self._supervise()
+            # Every role reported the step: its rows and units can go (not earlier: a role restarted
+            # in place re-reads the step it had not finished).
+            self.bus.clear_soon(f"step-{step}")
+            self.state.forget.remote(f"step-{step}", step)
             self._consumed += reports["actor"].get("samples", 0)
             self._counters = self._control(self.state.counters.remote())
             end = reports["actor"]["end_time"]
@@ -244,8 +267,10 @@ class Controller:
         row = {"samples/produced": counters.get("produced", 0), "samples/consumed": self._consumed,
                "samples/regenerated": counters.get("regenerated", 0), "samples/dropped": counters.get("dropped", 0),
                "samples/trained_hash": reports["actor"].get("samples_hash"),
-               "rollout/replicas": sum(1 for s in self._slots if "rollout" in s.host.roles and not s.draining),
+               "rollout/replicas": sum(1 for s in self._slots
+                                       if "rollout" in s.host.roles and s.task is not None and not s.draining),
                "rollout/units": reports["rollout"].get("units", 1),
+               "rollout/step_replicas": reports["rollout"].get("replicas", 1),
                "faults/restarts": sum(self.restarts.values())}
         row.update({f"faults/{role}/restarts": n for role, n in self.restarts.items()})
         return row
@@ -279,8 +304,13 @@ class Controller:
                 if slot.draining:  # a removed replica finished its last unit
                     self._drop_worker(slot)
                     self._slots.remove(slot)
+                    self._control(self.state.release.remote(slot.holder))
                 elif result.get("stopped"):
                     raise RunFailed(f"{slot.holder} was stopped before the run ended")
+        status = self._control(self.state.status.remote())
+        if status["stalled_s"] > self.faults.wait_timeout_s:
+            raise RunFailed(f"nothing moved in the run for {status['stalled_s']:.0f} s (fault_tolerance.wait_timeout_s) "
+                            "while every worker looked alive; a role waits on something no one will provide")
         beats = self._control(self.state.health.remote())
         watched = {slot.holder: slot.ready_at for slot in self._slots if slot.task is not None}
         for verdict in hung_workers(beats, watched, time.time(), self.faults.heartbeat_timeout_s,
@@ -289,6 +319,7 @@ class Controller:
             self._failed(slot, verdict.reason)
         while not self.scale_requests.empty():
             self._scale(self.scale_requests.get())
+        self._join()
 
     def _finish(self) -> None:
         """Every step is reported: wait for the workers' tasks to end (replicas see no more work)."""
@@ -359,6 +390,8 @@ class Controller:
             self._ready(slot, timeout)
         self.events[-1]["node"] = slot.node
         self._begin(slot, resumed)
+        if slot.draining:  # it was leaving when it failed: it still is
+            self._control(self.state.drain.remote(slot.holder))
 
     def _move(self, slot: Slot, timeout_s: float) -> None:
         """Give a worker a placement group of its own on whatever node has room."""
@@ -376,6 +409,9 @@ class Controller:
         from relax.runtime.control import SCALE_TIMEOUT_S, ControlError
 
         replicas = request.get("rollout")
+        if self.spec.roles.rollout.max_replicas is None:
+            raise ControlError("this run's rollout is not elastic; set roles.rollout.max_replicas (separate mode) "
+                               "to scale it mid-run")
         limit = self.spec.roles.rollout.replica_limit
         if not isinstance(replicas, int) or not 1 <= replicas <= limit:
             raise ControlError(f"rollout={replicas!r}: this run allows 1 to {limit} rollout replicas "
@@ -389,46 +425,91 @@ class Controller:
         return item.result
 
     def _scale(self, item: ScaleRequest) -> None:
-        from relax.telemetry import SCALE
-
+        """Start applying a scale request. Removed replicas are asked to drain at once; new ones
+        are launched here and join (``_join``) once built, without holding up supervision."""
         rollouts = [s for s in self._slots if "rollout" in s.host.roles and not s.draining]
-        before = len(rollouts)
+        item.before = len(rollouts)
         # Replicas that host only a rollout can leave, newest first; the one hosting the step loops stays.
         removable = sorted((s for s in rollouts if s.host.replica > 0), key=lambda s: -s.host.replica)
         try:
-            if before - item.replicas > len(removable):
-                raise ValueError(f"{before} replicas run and {len(removable)} of them can be removed (the first "
-                                 "replica hosts the run's step loops); ask for at least "
-                                 f"{before - len(removable)}")
-            with self.telemetry.span(SCALE, role="rollout", before=before, after=item.replicas):
-                for _ in range(item.replicas - before):  # grow: each new replica syncs weights first
-                    first = rollouts[0].host
-                    slot = Slot(Host(["rollout"], first.instance, first.threads, replica=self._next_replica), {})
-                    self._next_replica += 1
-                    self._move(slot, self.faults.restart_timeout_s)
-                    self._launch(slot)
-                    self._ready(slot, self.faults.restart_timeout_s)
-                    self._begin(slot, None)
-                    self._slots.append(slot)
-                for slot in removable[:max(0, before - item.replicas)]:  # shrink: drain, then drop
-                    slot.draining = True
-                    self._control(self.state.drain.remote(slot.holder))
-            self.events.append({"at": time.time(), "roles": ["rollout"], "action": "scale",
-                                "reason": f"rollout replicas {before} -> {item.replicas}"})
-            item.result = {"rollout": {"before": before, "after": item.replicas}, "replicas": self._replicas()}
+            if item.before - item.replicas > len(removable):
+                raise ValueError(f"{item.before} replicas run and {len(removable)} of them can be removed (the "
+                                 "first replica hosts the run's step loops); ask for at least "
+                                 f"{item.before - len(removable)}")
+            for _ in range(item.replicas - item.before):  # grow: each new replica syncs weights first
+                first = rollouts[0].host
+                slot = Slot(Host(["rollout"], first.instance, first.threads, replica=self._next_replica), {})
+                self._next_replica += 1
+                self._slots.append(slot)  # from now on teardown finds it
+                self._move(slot, self.faults.restart_timeout_s)
+                self._launch(slot)
+                item.joining.append((slot, slot.worker.ready.remote()))
+            for slot in removable[:max(0, item.before - item.replicas)]:  # shrink: drain, then drop
+                slot.draining = True
+                self._control(self.state.drain.remote(slot.holder))
         except Exception as exc:
-            item.result = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            item.done.set()
+            self._answer(item, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        item.deadline = time.monotonic() + self.faults.restart_timeout_s
+        self._joins.append(item)
+        self._join()
+
+    def _join(self) -> None:
+        """New replicas whose model is built start serving; a request is answered once all of its
+        replicas serve (or one could not start: then it is dropped and the answer says why)."""
+        import ray
+
+        from relax.telemetry import SCALE
+
+        for item in list(self._joins):
+            for slot, ready in list(item.joining):
+                done, _ = ray.wait([ready], timeout=0)
+                failure = None
+                if done:
+                    try:
+                        info = ray.get(ready)
+                        slot.node, slot.pid, slot.ready_at = info["node"], info["pid"], time.time()
+                        self._begin(slot, None)
+                        item.joining.remove((slot, ready))
+                        continue
+                    except Exception as exc:
+                        failure = _cause(exc)
+                elif time.monotonic() > item.deadline:
+                    failure = f"not ready after {self.faults.restart_timeout_s:.0f} s (fault_tolerance.restart_timeout_s)"
+                if failure is not None:
+                    for other, _ in item.joining:
+                        self._drop_worker(other)
+                        self._slots.remove(other)
+                    self._joins.remove(item)
+                    self._answer(item, {"error": f"a new rollout replica could not start: {failure}"})
+                    break
+            if item in self._joins and not item.joining:
+                self._joins.remove(item)
+                with self.telemetry.span(SCALE, role="rollout", before=item.before, after=item.replicas):
+                    pass
+                self.events.append({"at": time.time(), "roles": ["rollout"], "action": "scale",
+                                    "reason": f"rollout replicas {item.before} -> {item.replicas}"})
+                self._answer(item, {"rollout": {"before": item.before, "after": item.replicas},
+                                    "replicas": self._replicas()})
+
+    @staticmethod
+    def _answer(item: ScaleRequest, result: dict[str, Any]) -> None:
+        item.result = result
+        item.done.set()
 
     def _replicas(self) -> list[dict[str, Any]]:
-        return [{"holder": s.holder, "node": s.node, "draining": s.draining}
-                for s in self._slots if "rollout" in s.host.roles]
+        return [self._describe(s) for s in self._slots if "rollout" in s.host.roles]
+
+    @staticmethod
+    def _describe(slot: Slot) -> dict[str, Any]:
+        return {"holder": slot.holder, "roles": slot.host.roles, "node": slot.node, "pid": slot.pid,
+                "draining": slot.draining}
 
     def status(self) -> dict[str, Any]:
-        """``GET /status``."""
-        return {"replicas": self._replicas(), "counters": self._counters, "consumed": self._consumed,
-                "restarts": dict(self.restarts), "events": list(self.events)}
+        """``GET /status``: the workers, the rollout replicas, sample counters and faults so far."""
+        return {"workers": [self._describe(s) for s in list(self._slots)], "replicas": self._replicas(),
+                "counters": self._counters, "consumed": self._consumed, "restarts": dict(self.restarts),
+                "events": list(self.events)}
 
 
 def _cause(exc: BaseException) -> str:

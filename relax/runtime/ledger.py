@@ -39,15 +39,16 @@ class Unit:
 
 @dataclass
 class Counters:
-    """Samples the run's rollout made and what became of them (cumulative over the run)."""
+    """Samples the run's rollout made and what became of them, since the run last started (a
+    resume from a checkpoint starts a new ledger)."""
 
     produced: int = 0
     """Samples of acknowledged units: each is on the bus exactly once for its readers."""
     regenerated: int = 0
     """Samples leased to a replica that failed before acknowledging them, and leased again."""
     dropped: int = 0
-    """Rows on the bus that no step trains: orphans of revoked attempts, and steps a resume
-    abandoned."""
+    """Rows on the bus that no step trains: orphans of revoked attempts (a replica that put its
+    rows and failed before acknowledging them), counted when a reader skips them."""
     by_holder: dict[str, int] = field(default_factory=dict)
     """Produced samples per replica."""
 

@@ -31,7 +31,7 @@ from relax.runtime.components import (
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
 from relax.media import MediaSet, loads_context
 from relax.runtime.health import Activity
-from relax.runtime.rows import TRAIN_COLUMNS, media_columns, relayout, rollout_columns, token_column, train_batch
+from relax.runtime.rows import TRAIN_COLUMNS, media_columns, relayout, restack, rollout_columns, token_column, train_batch
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_reads, rollout_units
 from relax.telemetry import ADVANTAGE_COMPUTE, CHECKPOINT, REWARD_SCORE, ROLLOUT_BATCH, TRAIN_STEP, WEIGHT_SYNC, Telemetry
@@ -143,6 +143,8 @@ class RoleEnv:
             order = sorted(keep, key=lambda i: sample_key(batch.meta[i]))
             if order != list(range(len(batch))):
                 batch = batch.select(order)
+            if info["retried"]:
+                batch = restack(batch, keep_ragged=mixed)
             return relayout(batch) if mixed else batch
 
     def announce(self, step: int, *columns: str) -> None:
@@ -150,18 +152,6 @@ class RoleEnv:
         of this process, so nothing needs to be awaited)."""
         for column in columns:
             self.state.announce.remote(partition_of(step), column)
-
-    @property
-    def consumers(self) -> int:
-        """Roles that read a step's rows last: the actor, and the critic when there is one."""
-        return 1 + (self.spec.roles.critic is not None)
-
-    def finish(self, step: int, role: str) -> None:
-        """``role`` is done with a step; the last consumer clears its partition from the bus."""
-        partition = partition_of(step)
-        if self.consumers == 1 or ray.get(self.state.finish.remote(partition, role, self.consumers)):
-            self.bus.clear_soon(partition)
-            self.state.forget.remote(partition, step)
 
 
 def sample_key(meta: Any) -> tuple[int, int]:
@@ -628,7 +618,6 @@ class TrainLoop:
             with tel.span(CHECKPOINT, step=step, policy_version=self.version):
                 save_checkpoint(env.output_dir, self.version, self.trainer, spec.trainer.keep_checkpoints)
             checkpoint_s = time.perf_counter() - t4
-        env.finish(step, "actor")
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),
                 "samples_hash": hashlib.sha1(repr(ids).encode()).hexdigest()[:12],

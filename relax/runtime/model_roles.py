@@ -102,6 +102,5 @@ class CriticTrainLoop:
         with env.telemetry.span(TRAIN_STEP, step=step, role="critic", samples=packed.batch_size):
             metrics = self.backend.train_step(packed)
         trained = time.perf_counter()
-        env.finish(step, "critic")
         return {"train_s": trained - got, "data_wait_s": got - started,
                 "train": {k: float(v) for k, v in metrics.items()}}

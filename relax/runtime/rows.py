@@ -70,12 +70,29 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
     return columns
 
 
+#: Token columns the rollout writes ragged when a step comes in several units.
+RAGGED_COLUMNS = ("input_ids", "rollout_logprobs")
+
+
+def restack(batch: Any, keep_ragged: bool) -> Any:
+    """A ``BusBatch`` read together with orphan rows of another width comes back with its dense
+    columns as lists of rows; once the orphans are dropped the rows agree again: stack them.
+    ``keep_ragged`` leaves the rollout's ragged token columns to ``relayout``."""
+    for name, value in batch.fields.items():
+        if keep_ragged and name in RAGGED_COLUMNS:
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value) \
+                and len({v.shape for v in value}) == 1:
+            batch.fields[name] = torch.stack(value)
+    return batch
+
+
 def relayout(batch: Any) -> Any:
     """A ``BusBatch`` whose ragged token columns (``rollout_columns(ragged=True)``) are laid out as
     one dense tensor in the trainer's layout, the prompts right-aligned at the batch's widest
     prompt. Columns other roles wrote for the whole step are dense already and stay as they are."""
     lengths = batch.fields.get("lengths")
-    ragged = [name for name in ("input_ids", "rollout_logprobs") if isinstance(batch.fields.get(name), list)]
+    ragged = [name for name in RAGGED_COLUMNS if isinstance(batch.fields.get(name), list)]
     if lengths is None or not ragged:
         return batch
     lengths = lengths.long()

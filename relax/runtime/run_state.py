@@ -69,13 +69,6 @@ class RunState:
     async def wait_ready(self, partition: str, field: str, timeout_s: float) -> bool:
         return await self._wait(lambda: (partition, field) in self._ready, timeout_s)
 
-    async def finish(self, partition: str, role: str, consumers: int) -> bool:
-        """``role`` is done reading ``partition``; True for the last of its ``consumers`` roles,
-        which then clears the partition (so no reader finds its rows gone)."""
-        self._ready.add((partition, f"done:{role}"))
-        done = sum(1 for p, f in self._ready if p == partition and f.startswith("done:"))
-        return done >= consumers
-
     async def forget(self, partition: str, step: int | None = None) -> None:
         """Drop a finished partition's signals (and its step's rollout units)."""
         self._ready = {key for key in self._ready if key[0] != partition}

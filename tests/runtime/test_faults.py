@@ -1,0 +1,134 @@
+"""Fault tolerance on a real local Ray with the real bus: each test runs ``relax run`` in a process
+of its own and kills, freezes or scales its workers mid-run (``relax.testing.LiveRun``).
+
+Every run here trains the same 10 steps of the tiny preset in separate mode; sample ids, prompts and
+sampling seeds are functions of the step, so each step of a disturbed run must train exactly the
+samples of the undisturbed reference run (``samples/trained_hash``, ``data/order``).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from relax.telemetry import read_spans
+from relax.testing import LiveRun
+
+STEPS = 10
+BATCH = 16 * 8  # prompts_per_step x samples_per_prompt of tiny-cpu
+FAULTS = ("placement.mode=separate", "async_policy.max_staleness=1", f"trainer.steps={STEPS}",
+          "trainer.checkpoint_every=2", "tracing.exporter=jsonl", "fault_tolerance.heartbeat_s=0.5",
+          "fault_tolerance.heartbeat_timeout_s=6", "fault_tolerance.wait_timeout_s=120",
+          "fault_tolerance.restart_timeout_s=60")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    run = LiveRun(tmp_path_factory.mktemp("faults"), "reference", *FAULTS).start()
+    assert run.wait() == 0, run.output()
+    return run.rows()
+
+
+def same_data(rows: list[dict], reference: list[dict]) -> None:
+    """Step by step, the same prompts and exactly the same samples were trained."""
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["data/order"] for r in rows] == [r["data/order"] for r in reference]
+    assert [r["samples/trained_hash"] for r in rows] == [r["samples/trained_hash"] for r in reference]
+
+
+def exactly_once(last: dict) -> None:
+    assert last["samples/consumed"] == STEPS * BATCH
+    assert last["samples/produced"] == last["samples/consumed"], last
+
+
+def fault_spans(run: LiveRun) -> list[dict]:
+    return [s for s in read_spans(run.run_dir / "traces.jsonl") if s["name"] == "relax.fault"]
+
+
+def test_the_undisturbed_run_counts_every_sample_once(reference) -> None:
+    exactly_once(reference[-1])
+    assert reference[-1]["faults/restarts"] == 0 and reference[-1]["samples/regenerated"] == 0
+
+
+def test_a_killed_rollout_restarts_in_place_and_loses_or_repeats_nothing(tmp_path, reference) -> None:
+    run = LiveRun(tmp_path, "kill-rollout", *FAULTS).start()
+    run.wait_rows(2)
+    killed = run.kill_worker("rollout")
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    same_data(rows, reference)
+    exactly_once(rows[-1])
+    assert rows[-1]["faults/rollout/restarts"] == 1
+    [span] = fault_spans(run)
+    assert span["attributes"]["relax.action"] == "restart"
+    assert span["attributes"]["relax.role"] == killed["holder"]
+    assert "process died" in span["attributes"]["relax.reason"]
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_path, reference) -> None:
+    run = LiveRun(tmp_path, "kill-actor", *FAULTS).start()
+    run.wait_rows(3)
+    run.kill_worker("actor")
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    same_data(rows, reference)
+    assert rows[-1]["faults/actor/restarts"] == 1
+    assert "resuming from step" in run.output()
+    [span] = fault_spans(run)
+    assert span["attributes"]["relax.action"] == "resume"
+
+
+def test_a_frozen_rollout_is_found_within_the_heartbeat_timeout_and_restarted(tmp_path, reference) -> None:
+    run = LiveRun(tmp_path, "hang-rollout", *FAULTS).start()
+    run.wait_rows(2)
+    frozen_at = time.time()
+    run.signal_worker("rollout", signal.SIGSTOP)  # alive but making no progress, like a hung engine
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    same_data(rows, reference)
+    exactly_once(rows[-1])
+    [span] = fault_spans(run)
+    assert "no heartbeat" in span["attributes"]["relax.reason"]
+    detected_after = span["start"] / 1e9 - frozen_at
+    assert 6 <= detected_after <= 6 + 4, detected_after  # heartbeat_timeout_s=6, plus one supervision pass
+
+
+def test_a_hung_rollout_past_its_restart_budget_stops_the_run_with_a_report(tmp_path) -> None:
+    run = LiveRun(tmp_path, "hang-stop", *FAULTS, "fault_tolerance.roles.rollout.max_restarts=0").start()
+    run.wait_rows(1)
+    run.signal_worker("rollout", signal.SIGSTOP)
+    assert run.wait() == 1
+    assert "max_restarts=0" in run.output() and "no heartbeat" in run.output()
+
+
+def test_rollout_scales_from_one_to_two_replicas_and_back_mid_run(tmp_path) -> None:
+    steps = 80
+    run = LiveRun(tmp_path, "scale", *FAULTS, f"trainer.steps={steps}", "roles.rollout.max_replicas=2").start()
+    run.wait_rows(2)
+    grown = run.scale(2)
+    assert grown["rollout"] == {"before": 1, "after": 2} and len(grown["replicas"]) == 2
+    at_two = len(run.wait_rows(len(run.rows()) + 6))
+    shrunk = run.scale(1)
+    assert shrunk["rollout"] == {"before": 2, "after": 1}
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["rollout/units"] == 2 for r in rows)  # two units of 8 prompts per step
+    both = [r for r in rows if r["rollout/step_replicas"] == 2]
+    assert both and max(r["step"] for r in both) <= at_two + 6  # the second replica left again (after its last units)
+    assert rows[-1]["rollout/replicas"] == 1
+    assert rows[-1]["samples/consumed"] == steps * BATCH
+    assert rows[-1]["samples/produced"] == rows[-1]["samples/consumed"]
+
+
+def test_a_killed_driver_resumes_with_the_same_data_order(tmp_path, reference) -> None:
+    run = LiveRun(tmp_path, "kill-driver", *FAULTS).start()
+    run.wait_rows(4)
+    run.process.kill()  # kill -9 of `relax run` itself
+    run.wait()
+    resumed = LiveRun(tmp_path, "kill-driver", *FAULTS, resume=True).start()
+    assert resumed.wait() == 0, resumed.output()
+    rows = resumed.rows()
+    same_data(rows, reference)

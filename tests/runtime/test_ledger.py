@@ -1,0 +1,80 @@
+"""The rollout work ledger, the hang rule and the ragged-row layout: pure logic, no Ray."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from relax.runtime.health import hung_workers
+from relax.runtime.ledger import RolloutLedger
+from relax.runtime.loops import accepted_rows
+from relax.runtime.rows import relayout, restack
+
+
+def test_units_are_leased_in_order_within_the_staleness_admission() -> None:
+    ledger = RolloutLedger(steps=3, prompts_per_step=16, samples_per_prompt=4, unit_prompts=8)
+    assert ledger.units_per_step == 2
+    first = ledger.lease("a", max_step=0)
+    second = ledger.lease("b", max_step=0)
+    assert (first["step"], first["unit"], first["start"], first["stop"]) == (0, 0, 0, 8)
+    assert (second["step"], second["unit"], second["start"]) == (0, 1, 8)
+    assert ledger.lease("c", max_step=0) is None  # step 1 is not admitted yet
+    assert ledger.lease("c", max_step=1)["step"] == 1
+
+
+def test_a_failed_replica_s_units_are_regenerated_and_its_late_acknowledgement_refused() -> None:
+    ledger = RolloutLedger(steps=1, prompts_per_step=4, samples_per_prompt=2, unit_prompts=2)
+    lost = ledger.lease("dead", max_step=0)
+    kept = ledger.lease("alive", max_step=0)
+    assert ledger.complete("alive", 0, kept["unit"], kept["attempt"], {"n": 1})
+    assert ledger.release("dead") == 4 and ledger.counters.regenerated == 4
+    again = ledger.lease("alive", max_step=0)
+    assert (again["unit"], again["attempt"]) == (lost["unit"], 2)
+    assert not ledger.complete("dead", 0, lost["unit"], lost["attempt"], {})  # its rows are orphans
+    assert not ledger.step_done(0)
+    assert ledger.complete("alive", 0, again["unit"], again["attempt"], {})
+    assert ledger.step_done(0) and ledger.retried(0)
+    assert ledger.accepted(0) == {0: 2, 1: 1}
+    assert ledger.counters.produced == 8 and ledger.counters.by_holder == {"alive": 8}
+
+
+def test_orphan_rows_are_skipped_and_counted_once_per_attempt() -> None:
+    meta = [SimpleNamespace(extra={"unit": u, "attempt": a}) for u, a in [(0, 1), (0, 2), (1, 1), (0, 1)]]
+    keep, orphans = accepted_rows(meta, {0: 2, 1: 1})
+    assert keep == [1, 2] and orphans == {(0, 1): 2}
+    ledger = RolloutLedger(steps=1, prompts_per_step=2, samples_per_prompt=1, unit_prompts=1)
+    ledger.drop(0, 0, 1, 2)
+    ledger.drop(0, 0, 1, 2)  # another reader skipping the same rows
+    assert ledger.counters.dropped == 2
+
+
+def test_a_forgotten_step_is_never_leased_again() -> None:
+    ledger = RolloutLedger(steps=2, prompts_per_step=1, samples_per_prompt=1, unit_prompts=1)
+    unit = ledger.lease("a", max_step=1)
+    ledger.complete("a", 0, unit["unit"], unit["attempt"], {})
+    ledger.forget(0)
+    assert ledger.lease("a", max_step=1)["step"] == 1
+
+
+def test_hung_workers_are_the_silent_and_the_stuck_not_the_waiting() -> None:
+    now = 1000.0
+    beats = {"silent": {"at": now - 20, "activity": "x", "busy_since": None},
+             "stuck": {"at": now, "activity": "rollout generates step 3", "busy_since": now - 700},
+             "waiting": {"at": now, "activity": "wait_ready", "busy_since": None},
+             "working": {"at": now, "activity": "train", "busy_since": now - 5}}
+    watched = dict.fromkeys([*beats, "never-beat"], now - 100)
+    verdicts = {v.holder: v.reason for v in hung_workers(beats, watched, now, 10, 600)}
+    assert set(verdicts) == {"silent", "stuck", "never-beat"}
+    assert "no heartbeat" in verdicts["silent"] and "rollout generates step 3" in verdicts["stuck"]
+
+
+def test_ragged_rows_of_several_units_are_laid_out_like_one_dense_batch() -> None:
+    # Row 0: prompt [1, 2], response [3]; row 1: prompt [4], response [5, 6, 7].
+    fields = {"input_ids": [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7])],
+              "rollout_logprobs": [torch.tensor([0.0, 0.0, -0.5]), torch.tensor([0.0, -1.0, -2.0, -3.0])],
+              "lengths": torch.tensor([[2, 1], [1, 3]]), "rewards": [torch.tensor(1.0), torch.tensor(0.0)]}
+    batch = relayout(restack(SimpleNamespace(fields=fields), keep_ragged=True))
+    assert batch.fields["input_ids"].tolist() == [[1, 2, 3, 0, 0], [0, 4, 5, 6, 7]]
+    assert batch.fields["rollout_logprobs"][1].tolist() == [0.0, 0.0, -1.0, -2.0, -3.0]
+    assert batch.fields["rewards"].tolist() == [1.0, 0.0]
