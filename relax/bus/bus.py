@@ -65,15 +65,17 @@ class Bus:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, num_storage_units: int = 1, *, storage_capacity: int | None = None) -> Bus:
+    def start(cls, num_storage_units: int = 1, *, storage_capacity: int | None = None,
+              node_resource: str | None = None) -> Bus:
         """Start TransferQueue in the current Ray cluster and return the owning handle.
 
         Ray must already be initialised with spare logical CPUs: one for the controller and one
         per storage unit (``ray.init(num_cpus=8)`` is plenty). Starting takes about 6 s.
         ``storage_capacity`` caps the rows held across all storage units (``None``: no cap).
         Only one deployment can run per Ray cluster; closing the owner stops it for everyone.
+        ``node_resource``: place the storage units only on nodes that have this Ray custom resource.
         """
-        return cls(deployment.start_deployment(num_storage_units, storage_capacity), owner=True)
+        return cls(deployment.start_deployment(num_storage_units, storage_capacity, node_resource), owner=True)
 
     @classmethod
     def attach(cls, timeout_s: float = 60.0) -> Bus:

@@ -68,7 +68,8 @@ def find_controller() -> Any | None:
         return None
 
 
-def start_deployment(num_storage_units: int, storage_capacity: int | None) -> TransferQueueClient:
+def start_deployment(num_storage_units: int, storage_capacity: int | None,
+                     node_resource: str | None = None) -> TransferQueueClient:
     """Start the controller and storage units in this Ray cluster; return this process's client.
 
     Refuses, rather than hangs, when Ray lacks the logical CPUs the actors need, and refuses to
@@ -81,6 +82,10 @@ def start_deployment(num_storage_units: int, storage_capacity: int | None) -> Tr
             "a TransferQueue controller is already running in this Ray cluster; use Bus.attach() to join it, "
             "or close the bus that started it first"
         )
+    if node_resource is not None and not any(n.get("Alive") and n.get("Resources", {}).get(node_resource, 0) > 0
+                                             for n in ray.nodes()):
+        raise BusError(f"no alive Ray node has the custom resource {node_resource!r} (cluster.bus_node_resource); "
+                       f"start a node with --resources '{{\"{node_resource}\": 1}}' or unset it")
     need = _CONTROLLER_CPUS + _STORAGE_UNIT_CPUS * num_storage_units
     free = ray.available_resources().get("CPU", 0.0)
     if free < need:
@@ -95,6 +100,7 @@ def start_deployment(num_storage_units: int, storage_capacity: int | None) -> Tr
             "SimpleStorage": {
                 "num_data_storage_units": num_storage_units,
                 "total_storage_size": storage_capacity,
+                "required_node_resource": node_resource,
             },
         },
     }

@@ -19,6 +19,7 @@ Restarts are counted per role against ``max_restarts``; past it the run stops wi
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ class Controller:
         from relax.bus import Bus
 
         # The bus first: its actors take logical CPUs that the placement groups would reserve.
-        self.bus = Bus.start(num_storage_units=1)
+        self.bus = Bus.start(num_storage_units=1, node_resource=spec.cluster.bus_node_resource)
         self.placement = create_placement(self.plan)
         control = ControlServer(self.output_dir, self.status, self.request_scale)
         start, resume_from = self.start_step, self.resume_from
@@ -155,6 +156,7 @@ class Controller:
     def _attempt(self, start: int, resume_from: Path | None) -> None:
         """Run from ``start`` (a checkpoint's step) to the end, recovering in-place failures."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from relax.runtime.ledger import RolloutLedger
         from relax.runtime.run_state import RunState
@@ -165,14 +167,19 @@ class Controller:
                                rollout_units(spec)[0], start_step=start)
         for partition in self.bus.partitions():  # a resumed attempt starts from an empty bus
             self.bus.clear(partition)
-        self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64).remote(ledger)
+        # The control plane lives beside the driver: losing any other node must not take it along.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(ledger)
         self.attempt_start, self.resume_from_path = start, resume_from
         self._consumed = 0
         self._slots = [Slot(host, self.placement.actor_options(host.instance))
                        for host in plan_hosts(self.plan, run_roles(spec))]
         self._next_replica = max((s.host.replica for s in self._slots), default=0) + 1
         try:
+            alive = alive_nodes()
             for slot in self._slots:
+                if self.placement.node_of(slot.host.instance) not in alive:  # a node lost before a resume
+                    self._move(slot, self.faults.restart_timeout_s)
                 self._launch(slot)
             for slot in self._slots:
                 self._ready(slot, self.faults.wait_timeout_s)
@@ -191,7 +198,7 @@ class Controller:
         except Exception:  # the control plane itself failed
             pass
         live = [slot.worker for slot in self._slots if slot.worker is not None]
-        ray.wait([w.close.remote() for w in live], num_returns=len(live), timeout=30)
+        ray.wait([w.close.remote() for w in live], num_returns=len(live), timeout=10)  # a frozen one never answers
         for slot in self._slots:
             self._drop_worker(slot)
         ray.kill(self.state)
@@ -372,9 +379,8 @@ class Controller:
         regenerated = self._control(self.state.release.remote(slot.holder))
         self.events[-1]["regenerated"] = regenerated
         resumed = self._control(self.state.progress.remote())
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         timeout = self.faults.restart_timeout_s
-        if slot.node not in alive or slot.group is not None:
+        if slot.node not in alive_nodes() or slot.group is not None:
             self._move(slot, timeout)
         self._launch(slot)
         try:
@@ -389,6 +395,9 @@ class Controller:
             self._launch(slot)
             self._ready(slot, timeout)
         self.events[-1]["node"] = slot.node
+        print(f"relax run: {slot.holder} failed ({reason.splitlines()[0][:200]}); restarted in place on node "
+              f"{str(slot.node)[:12]}" + (f", {regenerated} samples to generate again" if regenerated else ""),
+              file=sys.stderr, flush=True)
         self._begin(slot, resumed)
         if slot.draining:  # it was leaving when it failed: it still is
             self._control(self.state.drain.remote(slot.holder))
@@ -510,6 +519,12 @@ class Controller:
         return {"workers": [self._describe(s) for s in list(self._slots)], "replicas": self._replicas(),
                 "counters": self._counters, "consumed": self._consumed, "restarts": dict(self.restarts),
                 "events": list(self.events)}
+
+
+def alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _cause(exc: BaseException) -> str:

@@ -214,7 +214,7 @@ class ObjectStoreWeights:
 
     def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
         version, refs = self.env.wait("wait_version", min_version)
-        return version, (ray.get(refs[0]) if version > held else None)
+        return version, (ray.get(refs[0], timeout=self.env.timeout_s) if version > held else None)
 
 
 class RolloutLoop:
@@ -334,7 +334,8 @@ class RolloutLoop:
                                                        + unit["unit"] * 7_919, **media)
         generate_s = time.perf_counter() - started
         tag = f"{step}" if round_ == 0 else f"{step}r{round_}"
-        meta = [{"policy_version": self.backend.version, "sample_id": f"{tag}:{rows[g.prompt_index]['index']}:{i % n}",
+        meta = [{"policy_version": self.backend.version, "sample_id": f"{tag}:{unit['start'] + g.prompt_index}:{i % n}",
+                 "index": rows[g.prompt_index]["index"],
                  "group": unit["start"] + g.prompt_index, "sample": i % n, "unit": unit["unit"],
                  "attempt": unit["attempt"], "trace": carrier, "response_tokens": len(g.response_ids),
                  **({"reward_route": rows[g.prompt_index]["route"]} if "route" in rows[g.prompt_index] else {})}

@@ -48,6 +48,12 @@ class Placement:
 
     plan: Plan
     groups: dict[str, PlacementGroup]
+    nodes: list[str]
+    """Ray node ids of plan nodes 0..n-1."""
+
+    def node_of(self, instance: RoleInstance) -> str:
+        """The Ray node an instance's planned bundle is on."""
+        return self.nodes[instance.node]
 
     def actor_options(self, instance: RoleInstance) -> dict[str, Any]:
         """``.options(...)`` for the Ray actor of one role instance: its pool, bundle and GPU share."""
@@ -107,7 +113,7 @@ def create_placement(plan: Plan, timeout_s: float = 60.0) -> Placement:
             bundles.append(resources)
         selectors = [{NODE_LABEL: nodes[b.node]} for b in pool.bundles]
         groups[pool.name] = placement_group(bundles, strategy=pool.strategy, name=f"relax-{plan.run}-{pool.name}", bundle_label_selector=selectors)
-    placement = Placement(plan=plan, groups=groups)
+    placement = Placement(plan=plan, groups=groups, nodes=nodes)
     try:
         ray.get([g.ready() for g in groups.values()], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -390,6 +390,10 @@ class ClusterSpec(Section):
     """CPU cores on each node."""
     gpu_memory_gb: float = Field(80.0, gt=0.0)
     """Memory of one GPU in GiB; plans whose estimate exceeds it are rejected."""
+    bus_node_resource: str | None = None
+    """A Ray custom resource that marks the nodes allowed to hold the bus's storage (start them with
+    ``--resources '{"<name>": 1}'``): keep the run's data off nodes that may go away. null: the
+    first alive node."""
 
     @property
     def gpus(self) -> int:
@@ -452,10 +456,16 @@ class FaultRoles(Section):
     rollout and actor) follows the strictest of them: stop, then resume, then restart."""
 
     rollout: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    """A rollout replica: restarted in place, it loads the current weights before generating; its
+    unacknowledged units are generated again."""
     reward: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    """The reward role: restarted in place, it scores again the step it had not reported."""
     advantage: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    """The advantage role: restarted in place, like the reward role."""
     reference: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    """The frozen reference model: restarted in place (its weights never change)."""
     actor_fwd: RoleFaultPolicy = Field(default_factory=RoleFaultPolicy)
+    """The proximal-policy forward role: restarted in place, it loads the current weights first."""
     actor: RoleFaultPolicy = Field(default_factory=_stateful)
     """The trainer holds the policy and optimizer state: a failure resumes the run from its last
     checkpoint."""

@@ -75,6 +75,8 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_pat
     rows = run.rows()
     same_data(rows, reference)
     assert rows[-1]["faults/actor/restarts"] == 1
+    # The counters restart with the resumed attempt: what it produced, it trained.
+    assert rows[-1]["samples/produced"] == rows[-1]["samples/consumed"] > 0
     assert "resuming from step" in run.output()
     [span] = fault_spans(run)
     assert span["attributes"]["relax.action"] == "resume"
@@ -132,3 +134,29 @@ def test_a_killed_driver_resumes_with_the_same_data_order(tmp_path, reference) -
     assert resumed.wait() == 0, resumed.output()
     rows = resumed.rows()
     same_data(rows, reference)
+
+
+def test_losing_the_node_of_the_rollout_brings_it_back_on_a_spare_node(tmp_path, reference) -> None:
+    """Two planned GPU nodes (fake GPUs) and a spare one; the bus lives on the head node."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 0,
+                                                            "resources": {"relax_bus": 1}})
+    try:
+        gpu_nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(3)]
+        cluster.wait_for_nodes()
+        run = LiveRun(tmp_path, "lose-node", *FAULTS, f"cluster.address={cluster.address}", "cluster.nodes=2",
+                      "cluster.gpus_per_node=1", "cluster.cpus_per_node=2", "roles.rollout.gpus_per_replica=1",
+                      "roles.actor.gpus=1", "cluster.bus_node_resource=relax_bus").start()
+        run.wait_rows(2)
+        lost = run.worker("rollout")["node"]
+        cluster.remove_node(next(node for node in gpu_nodes if node.node_id == lost))
+        assert run.wait() == 0, run.output()
+    finally:
+        cluster.shutdown()
+    rows = run.rows()
+    same_data(rows, reference)
+    exactly_once(rows[-1])
+    assert rows[-1]["faults/rollout/restarts"] == 1
+    [moved] = [line for line in run.output().splitlines() if "restarted in place on node" in line]
+    assert lost[:12] not in moved
