@@ -1,5 +1,5 @@
 """Test lanes. The default lane is what `.ci/run` and the README run; heavier lanes (vLLM,
-Megatron) get their own sessions. Sessions reuse the current interpreter's environment
+Megatron, fault tolerance) get their own sessions. Sessions reuse the current interpreter's environment
 (`venv_backend="none"`) because the pinned CPU torch must be installed in the same pip command as
 its dependents, which the project's install already does. The vLLM and Megatron lanes are
 the exceptions: each builds its own virtualenv (same pins), so their extra packages never land in
@@ -21,6 +21,14 @@ def tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmark scripts under bench/ (they print ratios measured side by side)."""
     session.run("python", "bench/validate_speed.py")
+
+
+@nox.session(venv_backend="none")
+def faults(session: nox.Session) -> None:
+    """The fault-tolerance lane (about 8 minutes): live runs whose workers are killed, frozen,
+    scaled and whose node is lost, in the default environment."""
+    # a later -m overrides the `-m 'not ... faults'` of pyproject's addopts
+    session.run("python", "-m", "pytest", "-m", "faults", "tests/runtime/test_faults.py", *session.posargs)
 
 
 @nox.session(python="3.11")

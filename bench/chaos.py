@@ -1,12 +1,13 @@
 """Chaos: the fault scenarios of tests/runtime/test_faults.py again and again, at random moments.
 
-    python bench/chaos.py [--trials 3] [--seed 0] [--steps 10] [--out DIR]
+    python bench/chaos.py [--trials 3] [--seed 0] [--steps 30] [--out DIR]
                           [--scenarios kill-rollout,kill-actor,freeze-rollout,scale]
 
 First one undisturbed reference run of the tiny CPU preset (separate mode, the overrides of the
 fault tests, ``--steps`` steps). Then, per scenario, ``--trials`` runs (``relax.testing.LiveRun``,
 each ``relax run`` in a process of its own) that are disturbed once, after a random number of step
-rows in [1, steps - 3] plus a random 0-1 s:
+rows in [1, steps / 3] plus a random 0-1 s (early enough that the run still needs the worker: a
+tiny step takes a fifth of a second):
 
 - kill-rollout: ``kill -9`` of the worker hosting the rollout (restarted in place);
 - kill-actor: ``kill -9`` of the trainer's worker (the run resumes from its last checkpoint);
@@ -45,10 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCENARIOS = ("kill-rollout", "kill-actor", "freeze-rollout", "scale")
 BATCH = 16 * 8  # prompts_per_step x samples_per_prompt of tiny-cpu
-#: The overrides of FAULTS in tests/runtime/test_faults.py, less trainer.steps (from --steps).
-FAULTS = ("placement.mode=separate", "async_policy.max_staleness=1", "trainer.checkpoint_every=2",
-          "tracing.exporter=jsonl", "fault_tolerance.heartbeat_s=0.5", "fault_tolerance.heartbeat_timeout_s=6",
-          "fault_tolerance.wait_timeout_s=120", "fault_tolerance.restart_timeout_s=60")
+#: Steps of a scale run: long enough for a second replica to build its model and join.
+SCALE_STEPS = 80
+
 RUN_TIMEOUT_S = 900.0
 
 
@@ -66,20 +66,22 @@ class Trial:
     """Step -> time.time() when this script first saw its row."""
     wall_s: float = 0.0
     same_data: bool = False
+    steps: int = 0
+    """Steps of this trial's run (a scale run is longer: a new replica takes seconds to build)."""
     note: str = ""
 
     @property
     def last(self) -> dict[str, Any]:
         return self.rows[-1] if self.rows else {}
 
-    def completed(self, steps: int) -> bool:
-        return self.code == 0 and [r["step"] for r in self.rows] == list(range(1, steps + 1))
+    def completed(self) -> bool:
+        return self.code == 0 and [r["step"] for r in self.rows] == list(range(1, self.steps + 1))
 
-    def exactly_once(self, steps: int) -> bool:
+    def exactly_once(self) -> bool:
         produced, consumed = self.last.get("samples/produced"), self.last.get("samples/consumed")
         if produced is None or produced != consumed:
             return False
-        return self.scenario == "kill-actor" or consumed == steps * BATCH
+        return self.scenario == "kill-actor" or consumed == self.steps * BATCH
 
 
 def rows_of(run: Any) -> list[dict[str, Any]]:
@@ -153,12 +155,13 @@ def disturb(run: Any, trial: Trial) -> int | None:
 
 
 def run_trial(root: Path, trial: Trial, steps: int, rng: random.Random, reference: list[dict]) -> Trial:
-    from relax.testing import LiveRun
+    from relax.testing import FAULT_TEST_OVERRIDES as FAULTS, LiveRun
 
     extra = ["roles.rollout.max_replicas=2"] if trial.scenario == "scale" else []
-    trial.at_row, trial.extra_s = rng.randint(1, max(1, steps - 3)), rng.uniform(0.0, 1.0)
+    trial.steps = max(steps, SCALE_STEPS) if trial.scenario == "scale" else steps
+    trial.at_row, trial.extra_s = rng.randint(1, max(1, steps // 3)), rng.uniform(0.0, 1.0)
     started = time.monotonic()
-    run = LiveRun(root, f"{trial.scenario}-{trial.index}", *FAULTS, f"trainer.steps={steps}", *extra).start()
+    run = LiveRun(root, f"{trial.scenario}-{trial.index}", *FAULTS, f"trainer.steps={trial.steps}", *extra).start()
     frozen = None
     try:
         follow(run, trial, lambda rows: len(rows) >= trial.at_row)
@@ -183,7 +186,8 @@ def run_trial(root: Path, trial: Trial, steps: int, rng: random.Random, referenc
                 pass
     trial.wall_s = time.monotonic() - started
     trial.rows = rows_of(run)
-    trial.same_data = same_data(trial.rows, reference, hashes=trial.scenario != "scale")
+    # A scale run is longer and cuts steps in two units: compare its first steps' prompts only.
+    trial.same_data = same_data(trial.rows[:len(reference)], reference, hashes=trial.scenario != "scale")
     return trial
 
 
@@ -226,7 +230,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3, help="disturbed runs per scenario")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random disturbance times")
-    parser.add_argument("--steps", type=int, default=10, help="steps of every run (at least 4)")
+    parser.add_argument("--steps", type=int, default=30, help="steps of every run (at least 4)")
     parser.add_argument("--out", default=None, help="where runs and their logs go (default: a new temp dir, kept)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of "
                         + ",".join(SCENARIOS))
@@ -235,8 +239,8 @@ def main() -> int:
     if unknown := [s for s in scenarios if s not in SCENARIOS]:
         parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     if args.steps < 4:
-        parser.error("--steps must be at least 4 (the disturbance comes after 1 to steps-3 rows)")
-    from relax.testing import LiveRun
+        parser.error("--steps must be at least 4 (the disturbance comes after 1 to steps/3 rows)")
+    from relax.testing import FAULT_TEST_OVERRIDES as FAULTS, LiveRun
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="relax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -266,8 +270,8 @@ def main() -> int:
     ok = True
     for scenario in scenarios:
         mine = [t for t in trials if t.scenario == scenario]
-        completed = sum(t.completed(args.steps) for t in mine)
-        once = sum(t.exactly_once(args.steps) for t in mine)
+        completed = sum(t.completed() for t in mine)
+        once = sum(t.exactly_once() for t in mine)
         ok = ok and completed == once == len(mine)
         print(f"{scenario:<15} trials {len(mine)}  completed {completed}/{len(mine)}  exactly-once {once}/{len(mine)}  "
               f"same data {sum(t.same_data for t in mine)}/{len(mine)}  "

@@ -60,6 +60,14 @@ def tiny_run(out_dir: Path, name: str, *overrides: str, resume: bool = False,
     return code, rows, out.getvalue()
 
 
+#: Overrides of the fault-tolerance tests and ``bench/chaos.py``: the tiny preset in separate mode,
+#: a checkpoint every 2 steps, traces on, and timeouts short enough to see recoveries in seconds.
+FAULT_TEST_OVERRIDES = ("placement.mode=separate", "async_policy.max_staleness=1", "trainer.checkpoint_every=2",
+                        "tracing.exporter=jsonl", "fault_tolerance.heartbeat_s=0.5",
+                        "fault_tolerance.heartbeat_timeout_s=6", "fault_tolerance.wait_timeout_s=120",
+                        "fault_tolerance.restart_timeout_s=60")
+
+
 class LiveRun:
     """A ``relax run`` in a process of its own (its own embedded Ray, or joining ``cluster.address``),
     for tests and benchmarks that fail, hang or scale its workers while it trains::

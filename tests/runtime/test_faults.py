@@ -14,14 +14,13 @@ import time
 import pytest
 
 from relax.telemetry import read_spans
-from relax.testing import LiveRun
+from relax.testing import FAULT_TEST_OVERRIDES, LiveRun
 
 STEPS = 10
 BATCH = 16 * 8  # prompts_per_step x samples_per_prompt of tiny-cpu
-FAULTS = ("placement.mode=separate", "async_policy.max_staleness=1", f"trainer.steps={STEPS}",
-          "trainer.checkpoint_every=2", "tracing.exporter=jsonl", "fault_tolerance.heartbeat_s=0.5",
-          "fault_tolerance.heartbeat_timeout_s=6", "fault_tolerance.wait_timeout_s=120",
-          "fault_tolerance.restart_timeout_s=60")
+pytestmark = pytest.mark.faults  # its own lane: `nox -s faults`
+
+FAULTS = (*FAULT_TEST_OVERRIDES, f"trainer.steps={STEPS}")
 
 
 @pytest.fixture(scope="module")
