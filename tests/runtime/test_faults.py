@@ -93,7 +93,9 @@ def test_a_frozen_rollout_is_found_within_the_heartbeat_timeout_and_restarted(tm
     [span] = fault_spans(run)
     assert "no heartbeat" in span["attributes"]["relax.reason"]
     detected_after = span["start"] / 1e9 - frozen_at
-    assert 6 <= detected_after <= 6 + 4, detected_after  # heartbeat_timeout_s=6, plus one supervision pass
+    # heartbeat_timeout_s=6 counts from the last beat, which came up to heartbeat_s=0.5 before the
+    # freeze; then up to one supervision pass, and slack for a loaded machine.
+    assert 6 - 0.5 <= detected_after <= 6 + 4, detected_after
 
 
 def test_a_hung_rollout_past_its_restart_budget_stops_the_run_with_a_report(tmp_path) -> None:
