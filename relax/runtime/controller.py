@@ -274,8 +274,8 @@ class Controller:
         row = {"samples/produced": counters.get("produced", 0), "samples/consumed": self._consumed,
                "samples/regenerated": counters.get("regenerated", 0), "samples/dropped": counters.get("dropped", 0),
                "samples/trained_hash": reports["actor"].get("samples_hash"),
-               "rollout/replicas": sum(1 for s in self._slots
-                                       if "rollout" in s.host.roles and s.task is not None and not s.draining),
+               "rollout/replicas": sum(1 for s in self._slots  # started (ready), not leaving
+                                       if "rollout" in s.host.roles and s.ready_at and not s.draining),
                "rollout/units": reports["rollout"].get("units", 1),
                "rollout/step_replicas": reports["rollout"].get("replicas", 1),
                "faults/restarts": sum(self.restarts.values())}
