@@ -30,6 +30,7 @@ from relax.plan.model import Plan
 from relax.runtime.checkpoint import latest_checkpoint
 from relax.runtime.hosts import Host, plan_hosts, report_names, run_roles
 from relax.runtime.metrics import MetricsLog, Progress, step_row
+from relax.runtime.run_state import partition_of
 from relax.spec.models import RunSpec
 from relax.spec.rules import rollout_units
 
@@ -70,6 +71,10 @@ class Slot:
     @property
     def holder(self) -> str:
         return self.host.holder
+
+    def started(self, info: dict[str, Any]) -> None:
+        """The worker answered ``ready``: where it runs, and since when it is watched."""
+        self.node, self.pid, self.ready_at = info["node"], info["pid"], time.time()
 
 
 @dataclass
@@ -229,8 +234,7 @@ class Controller:
     def _ready(self, slot: Slot, timeout_s: float) -> None:
         import ray
 
-        info = ray.get(slot.worker.ready.remote(), timeout=timeout_s)
-        slot.node, slot.pid, slot.ready_at = info["node"], info["pid"], time.time()
+        slot.started(ray.get(slot.worker.ready.remote(), timeout=timeout_s))
 
     def _begin(self, slot: Slot, resumed: dict[str, int] | None) -> None:
         if slot.host.replica > 0:
@@ -255,8 +259,8 @@ class Controller:
                     break
             # Every role reported the step: its rows and units can go (not earlier: a role restarted
             # in place re-reads the step it had not finished).
-            self.bus.clear_soon(f"step-{step}")
-            self.state.forget.remote(f"step-{step}", step)
+            self.bus.clear_soon(partition_of(step))
+            self.state.forget.remote(partition_of(step), step)
             self._consumed += reports["actor"].get("samples", 0)
             self._counters = self._control(self.state.counters.remote())
             end = reports["actor"]["end_time"]
@@ -476,8 +480,7 @@ class Controller:
                 failure = None
                 if done:
                     try:
-                        info = ray.get(ready)
-                        slot.node, slot.pid, slot.ready_at = info["node"], info["pid"], time.time()
+                        slot.started(ray.get(ready))
                         self._begin(slot, None)
                         item.joining.remove((slot, ready))
                         continue

@@ -31,6 +31,7 @@ from relax.runtime.components import (
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
 from relax.media import MediaSet, loads_context
 from relax.runtime.health import Activity
+from relax.runtime.run_state import partition_of
 from relax.runtime.rows import TRAIN_COLUMNS, media_columns, relayout, restack, rollout_columns, token_column, train_batch
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_reads, rollout_units
@@ -46,10 +47,6 @@ class RunStopped(Exception):
 
 class StalenessViolation(RuntimeError):
     """A batch holds samples older than ``async_policy.max_staleness`` allows: never trained."""
-
-
-def partition_of(step: int) -> str:
-    return f"step-{step}"
 
 
 @dataclass

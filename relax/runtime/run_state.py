@@ -17,6 +17,11 @@ from typing import Any
 from relax.runtime.ledger import RolloutLedger
 
 
+def partition_of(step: int) -> str:
+    """The bus partition that holds a step's rows."""
+    return f"step-{step}"
+
+
 class RunState:
     """Versions, signals and reports of one run (use as ``ray.remote(RunState)``)."""
 
@@ -109,7 +114,7 @@ class RunState:
         partition. False when the lease was revoked (the rows just put are orphans)."""
         accepted = self._ledger.complete(holder, step, unit, attempt, stats)
         if accepted and self._ledger.step_done(step):
-            self._ready.update((f"step-{step}", column) for column in columns)
+            self._ready.update((partition_of(step), column) for column in columns)
         await self._notify()
         return accepted
 
@@ -181,6 +186,3 @@ class RunState:
         self._stopped = True
         self._failure = self._failure or failure
         await self._notify()
-
-    async def stopped(self) -> bool:
-        return self._stopped

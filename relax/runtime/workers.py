@@ -34,6 +34,14 @@ from relax.spec.models import RunSpec
 from relax.telemetry import Telemetry
 
 
+def role_failure(what: str, exc: BaseException) -> RuntimeError:
+    """A role's failure for the controller, which decides what it does (restart this worker,
+    resume the run from its checkpoint, or stop it: fault_tolerance.roles): the cause on the
+    first line, the traceback after it."""
+    detail = "".join(traceback.format_exception(exc))
+    return RuntimeError(f"{what}: {type(exc).__name__}: {exc}\n{detail}")
+
+
 class RoleWorker:
     """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
 
@@ -128,10 +136,7 @@ class RoleWorker:
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
-            # The controller decides what a failure does (restart this worker, resume the run from
-            # its checkpoint, or stop it): fault_tolerance.roles.
-            detail = "".join(traceback.format_exception(exc))
-            raise RuntimeError(f"role {role} failed at step {done}: {type(exc).__name__}: {exc}\n{detail}") from None
+            raise role_failure(f"role {role} failed at step {done}", exc) from None
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "steps_done": done, "stopped": False}
@@ -144,8 +149,7 @@ class RoleWorker:
         except RunStopped:
             return {"roles": self.roles, "units": 0, "stopped": True}
         except Exception as exc:
-            detail = "".join(traceback.format_exception(exc))
-            raise RuntimeError(f"rollout replica {self.env.holder} failed: {type(exc).__name__}: {exc}\n{detail}") from None
+            raise role_failure(f"rollout replica {self.env.holder} failed", exc) from None
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "units": units, "stopped": False}
