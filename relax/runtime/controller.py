@@ -229,7 +229,14 @@ class Controller:
         slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=2).remote(
             self.run_spec, str(self.base_dir), self.model_path, slot.host.roles, self.state, self.attempt_start,
             str(self.resume_from_path) if self.resume_from_path else None, slot.host.threads, slot.holder,
-            self.carrier, self.spec_hash)
+            self.carrier, self.spec_hash, self._ranks(slot))
+
+    def _ranks(self, slot: Slot) -> dict[str, list[Any]]:
+        """The ranks of each multi-process model role the worker hosts, with their bundles."""
+        from relax.runtime.ranks import RankPlacement
+
+        return {role: [RankPlacement(i.rank, dict(i.coords), self.placement.actor_options(i) if i.rank else {})
+                       for i in instances] for role, instances in slot.host.ranks.items()}
 
     def _ready(self, slot: Slot, timeout_s: float) -> None:
         import ray

@@ -8,7 +8,7 @@ rollout work, see ``relax.runtime.ledger``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relax.plan.model import Plan, RoleInstance
 from relax.spec.models import RunSpec
@@ -17,6 +17,8 @@ ROLES = ("rollout", "reward", "advantage", "actor")
 #: Model roles a spec may add (each a block under ``roles``).
 OPTIONAL_ROLES = ("reference", "critic", "actor_fwd")
 MODEL_ROLES = frozenset({"rollout", "actor", *OPTIONAL_ROLES})
+#: Model roles whose planned instances are the ranks of one model (not independent replicas).
+RANKED_ROLES = ("actor", *OPTIONAL_ROLES)
 
 
 @dataclass
@@ -28,6 +30,9 @@ class Host:
     threads: int
     replica: int = 0
     """0 for a worker that hosts the run's step loops; n > 0 for the n-th extra rollout replica."""
+    ranks: dict[str, list[RoleInstance]] = field(default_factory=dict)
+    """Every rank of each hosted model role that spans several processes (rank 0, this worker,
+    first): the worker starts the others on their planned bundles (``relax.runtime.ranks``)."""
 
     @property
     def holder(self) -> str:
@@ -50,20 +55,25 @@ def report_names(spec: RunSpec) -> list[str]:
 def plan_hosts(plan: Plan, roles: list[str] | None = None) -> list[Host]:
     """One worker process per planned bundle: roles whose first instances share a bundle share a
     process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
-    advantage), and hand data to each other in memory."""
+    advantage), and hand data to each other in memory. A model role with several ranks is hosted
+    by the worker of its rank 0, which starts the other ranks itself."""
     cores = os.cpu_count() or 2
     by_bundle: dict[tuple[str, int], list[RoleInstance]] = {}
     for role in roles or ROLES:
         first = plan.instances_of(role)[0]
         by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
     replicas = plan.instances_of("rollout")[1:] if "rollout" in (roles or ROLES) else []
-    model_processes = sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group}) + len(replicas)
+    extra_ranks = sum(len(plan.instances_of(role)) - 1 for role in RANKED_ROLES if role in (roles or ROLES))
+    model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
+                       + len(replicas) + extra_ranks)
     hosts = []
     for group in by_bundle.values():
         roles = [i.role for i in group]
         has_model = bool(MODEL_ROLES & set(roles))
         anchor = next((i for i in group if i.role == "actor"), group[0])
-        hosts.append(Host(roles, anchor, max(1, cores // model_processes) if has_model else 1))
+        ranks = {role: plan.instances_of(role) for role in roles
+                 if role in RANKED_ROLES and len(plan.instances_of(role)) > 1}
+        hosts.append(Host(roles, anchor, max(1, cores // model_processes) if has_model else 1, ranks=ranks))
     threads = max(1, cores // model_processes)
     hosts += [Host(["rollout"], instance, threads, replica=instance.rank) for instance in replicas]
     return hosts

@@ -41,11 +41,6 @@ def preflight(spec: RunSpec, plan: Plan) -> list[str]:
             problems.append(f"the spec asks for {plan.gpus_used} GPU(s) but this machine has {local}; run it on a "
                             "GPU cluster (set cluster.address) or choose a CPU preset such as tiny-cpu "
                             "(`relax plan` still shows this spec's layout)")
-    for name in ("actor", *OPTIONAL_ROLES):
-        if len(plan.instances_of(name)) > 1:
-            problems.append(f"roles.{name} spans {len(plan.instances_of(name))} data-parallel ranks; the runtime "
-                            "runs one process per model role so far: give it the GPUs of one model copy "
-                            "(gpus = tp x pp x cp) or run it on CPU")
     fwd = spec.roles.actor_fwd
     if fwd is not None and spec.placement.mode == "separate":
         from relax.registry import get_registry

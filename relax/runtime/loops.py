@@ -26,11 +26,11 @@ from relax.runtime.components import (
     build_dataset,
     build_rewards,
     build_rollout,
-    build_trainer,
 )
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
 from relax.media import MediaSet, loads_context
 from relax.runtime.health import Activity
+from relax.runtime.ranks import RankPlacement, build_role_trainer
 from relax.runtime.run_state import partition_of
 from relax.runtime.rows import TRAIN_COLUMNS, media_columns, relayout, restack, rollout_columns, token_column, train_batch
 from relax.spec.models import RunSpec
@@ -69,6 +69,12 @@ class RoleEnv:
     """This worker's name in the run (heartbeats, rollout leases)."""
     activity: Activity = field(default_factory=Activity)
     """What this worker does right now, for its heartbeat."""
+    ranks: dict[str, list[RankPlacement]] = field(default_factory=dict)
+    """The ranks of each model role hosted here that spans several processes (rank 0 first)."""
+
+    def build_trainer(self, role: str) -> Any:
+        """A model role's backend: in this process, or across its ranks (``relax.runtime.ranks``)."""
+        return build_role_trainer(self.spec, self.model_path, self.threads, role, self.ranks.get(role), self.timeout_s)
 
     @property
     def batch_size(self) -> int:
@@ -569,7 +575,7 @@ class TrainLoop:
     def __init__(self, env: RoleEnv, weights: WeightChannel, start_step: int, resume_from: Path | None) -> None:
         self.env, self.weights = env, weights
         spec = env.spec
-        self.trainer = build_trainer(spec, env.model_path, env.threads)
+        self.trainer = env.build_trainer("actor")
         # Token columns of the optional model roles, read (and waited for) with the advantages.
         optional = tuple(column for column, role in (("ref_logprobs", "reference"), ("old_logprobs", "actor_fwd"))
                          if getattr(spec.roles, role) is not None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relax.runtime.components import build_trainer
 from relax.runtime.loops import RoleEnv, WeightChannel, partition_of
 from relax.runtime.rows import TOKEN_COLUMNS, token_column, token_columns, train_batch
 from relax.telemetry import TRAIN_STEP, WEIGHT_SYNC
@@ -29,8 +28,7 @@ class ForwardLoop:
                  weights: WeightChannel | None = None) -> None:
         self.env, self.role, self.column = env, role, column
         self.weights = weights
-        self.backend = backend if backend is not None else build_trainer(env.spec, env.model_path, env.threads,
-                                                                         role=role)
+        self.backend = backend if backend is not None else env.build_trainer(role)
         self.shares_actor = backend is not None
         """True when this role reuses the actor's own backend (same process): its weights are the
         actor's current ones, so nothing is synced."""
@@ -69,7 +67,7 @@ class CriticValueLoop:
 
     def __init__(self, env: RoleEnv) -> None:
         self.env = env
-        self.backend = build_trainer(env.spec, env.model_path, env.threads, role="critic")
+        self.backend = env.build_trainer("critic")
 
     def step(self, step: int) -> dict[str, Any]:
         env = self.env

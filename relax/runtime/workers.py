@@ -30,6 +30,7 @@ from relax.runtime.loops import (
     partition_of,
 )
 from relax.runtime.model_roles import CriticTrainLoop, CriticValueLoop, ForwardLoop
+from relax.runtime.ranks import RankedTrainer
 from relax.spec.models import RunSpec
 from relax.telemetry import Telemetry
 
@@ -47,7 +48,7 @@ class RoleWorker:
 
     def __init__(self, spec: RunSpec, base_dir: str, model_path: str, roles: list[str], state: Any,
                  start_step: int, resume_from: str | None, threads: int | None, holder: str,
-                 run_carrier: dict[str, str], spec_hash: str) -> None:
+                 run_carrier: dict[str, str], spec_hash: str, ranks: dict[str, list[Any]] | None = None) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -63,7 +64,7 @@ class RoleWorker:
         faults = spec.fault_tolerance
         self.env = RoleEnv(spec=spec, base_dir=Path(base_dir), output_dir=output_dir, bus=Bus.attach(),
                            state=state, timeout_s=faults.wait_timeout_s, threads=threads, model_path=model_path,
-                           telemetry=telemetry, holder=holder)
+                           telemetry=telemetry, holder=holder, ranks=ranks or {})
         # Beats from the start: building a model can take long, and a frozen build is a hang too.
         self.heartbeat = Heartbeat(state, holder, self.env.activity, faults.heartbeat_s)
         resume = Path(resume_from) if resume_from else None
@@ -155,7 +156,12 @@ class RoleWorker:
         return {"roles": self.roles, "units": units, "stopped": False}
 
     def close(self) -> None:
-        """Flush this process's spans and let go of the bus (called before the actor is killed)."""
+        """Flush this process's spans, stop the other ranks of its model roles and let go of the bus
+        (called before the actor is killed)."""
         self.heartbeat.stop()
+        for loop in self.loops:
+            backend = getattr(loop, "trainer", None) or getattr(loop, "backend", None)
+            if isinstance(backend, RankedTrainer):
+                backend.close()
         self.env.telemetry.shutdown()
         self.env.bus.close()

@@ -288,11 +288,14 @@ class TorchTrainer:
         """Write a checkpoint folder atomically: an HF model folder (safetensors + tokenizer) plus
         ``optimizer.pt`` and ``trainer_state.json``. It is written beside ``path`` and renamed into
         place, so ``path`` is either the old checkpoint or the new one, never half of one. Under data
-        parallelism call it on one rank only (the replicas are identical)."""
+        parallelism every rank may call it; only rank 0 writes (the replicas are identical)."""
         import torch
 
         from relax_plugins.trainer.steps import atomic_folder
 
+        dist = _data_parallel()
+        if dist is not None and dist.get_rank() != 0:
+            return
         with atomic_folder(path) as staging:
             self.model.save_pretrained(staging, safe_serialization=True)
             # A multimodal checkpoint carries its processor (what AutoProcessor loads), else the tokenizer.
