@@ -64,6 +64,8 @@ class Slot:
     node: str | None = None
     pid: int | None = None
     ready_at: float = 0.0
+    ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """The other ranks of its multi-process model roles: rank, pid, node, GPU ids."""
     group: Any = None
     """A placement group of its own (a replica added by scaling, or re-placed after a node loss)."""
     draining: bool = False
@@ -75,6 +77,7 @@ class Slot:
     def started(self, info: dict[str, Any]) -> None:
         """The worker answered ``ready``: where it runs, and since when it is watched."""
         self.node, self.pid, self.ready_at = info["node"], info["pid"], time.time()
+        self.ranks = info.get("ranks", {})
 
 
 @dataclass
@@ -522,7 +525,7 @@ class Controller:
     @staticmethod
     def _describe(slot: Slot) -> dict[str, Any]:
         return {"holder": slot.holder, "roles": slot.host.roles, "node": slot.node, "pid": slot.pid,
-                "draining": slot.draining}
+                "draining": slot.draining, "ranks": slot.ranks}
 
     def status(self) -> dict[str, Any]:
         """``GET /status``: the workers, the rollout replicas, sample counters and faults so far."""

@@ -115,7 +115,9 @@ class RankedTrainer:
         try:
             join_group(0, world, host, store.port, timeout_s, store=store)
             self.local = build_trainer(spec, model_path, threads, role=role)
-            self.placed = ray.get([f.ready.remote() for f in self.followers], timeout=timeout_s)
+            placed = ray.get([f.ready.remote() for f in self.followers], timeout=timeout_s)
+            self.placed = [{"rank": r.rank, **info} for r, info in zip(ranks[1:], placed)]
+            """Where the other ranks run (rank, pid, node, GPU ids), for ``relax status`` and tests."""
         except Exception:
             self.close()
             raise

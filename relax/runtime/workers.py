@@ -104,7 +104,17 @@ class RoleWorker:
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""
         return {"roles": self.roles, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads()}
+                "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads(),
+                "ranks": {role: backend.placed for role, backend in self._ranked().items()}}
+
+    def _ranked(self) -> dict[str, RankedTrainer]:
+        """The model roles hosted here that span several processes, by role."""
+        found = {}
+        for loop in self.loops:
+            backend = getattr(loop, "trainer", None) or getattr(loop, "backend", None)
+            if isinstance(backend, RankedTrainer):
+                found[backend.role] = backend
+        return found
 
     def run(self, start_step: int, resumed: dict[str, int] | None = None) -> dict[str, Any]:
         """Run every step from ``start_step``; stop quietly when the run is stopped.
@@ -159,9 +169,7 @@ class RoleWorker:
         """Flush this process's spans, stop the other ranks of its model roles and let go of the bus
         (called before the actor is killed)."""
         self.heartbeat.stop()
-        for loop in self.loops:
-            backend = getattr(loop, "trainer", None) or getattr(loop, "backend", None)
-            if isinstance(backend, RankedTrainer):
-                backend.close()
+        for backend in self._ranked().values():
+            backend.close()
         self.env.telemetry.shutdown()
         self.env.bus.close()

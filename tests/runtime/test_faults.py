@@ -21,6 +21,7 @@ BATCH = 16 * 8  # prompts_per_step x samples_per_prompt of tiny-cpu
 pytestmark = pytest.mark.faults  # its own lane: `nox -s faults`
 
 FAULTS = (*FAULT_TEST_OVERRIDES, f"trainer.steps={STEPS}")
+FAULT_TEST_WAIT_S = 120  # fault_tolerance.wait_timeout_s of FAULT_TEST_OVERRIDES: also the ranks' group timeout
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,33 @@ def test_losing_the_node_of_the_rollout_brings_it_back_on_a_spare_node(tmp_path,
     assert rows[-1]["faults/rollout/restarts"] == 1
     [moved] = [line for line in run.output().splitlines() if "restarted in place on node" in line]
     assert lost[:12] not in moved
+
+
+def test_a_killed_rank_of_a_two_rank_actor_resumes_the_run_with_the_same_data(tmp_path, reference) -> None:
+    """The actor spans two fake GPUs (two data-parallel ranks, two processes). kill -9 of rank 1,
+    which no heartbeat watches, fails rank 0's next collective: the actor resumes, both ranks anew."""
+    import os
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "num_gpus": 3})
+    try:
+        run = LiveRun(tmp_path, "kill-rank", *FAULTS, f"cluster.address={cluster.address}",
+                      "cluster.gpus_per_node=3", "roles.rollout.gpus_per_replica=1", "roles.actor.gpus=2").start()
+        run.wait_rows(3)
+        [rank] = run.worker("actor")["ranks"]["actor"]
+        assert rank["rank"] == 1 and rank["pid"] != run.worker("actor")["pid"]
+        killed_at = time.time()
+        os.kill(rank["pid"], signal.SIGKILL)
+        assert run.wait() == 0, run.output()
+    finally:
+        cluster.shutdown()
+    rows = run.rows()
+    same_data(rows, reference)
+    assert rows[-1]["faults/actor/restarts"] == 1
+    assert "resuming from step" in run.output()
+    [span] = fault_spans(run)
+    assert span["attributes"]["relax.action"] == "resume"
+    found_s = span["start"] / 1e9 - killed_at
+    print(f"rank 1 killed: found in {found_s:.1f} s ({span['attributes']['relax.reason'].splitlines()[0][:160]})")
+    assert found_s < FAULT_TEST_WAIT_S  # a collective with a dead peer fails fast; it does not wait out the group timeout
