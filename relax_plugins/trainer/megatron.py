@@ -1,17 +1,47 @@
-"""``megatron``: a train backend on Megatron-core's ``GPTModel`` with tensor and data parallelism.
+"""``megatron``: a train backend on Megatron-core's ``GPTModel`` with tensor, pipeline, expert and
+data parallelism.
 
 It reads the same Hugging Face folder as the ``torch`` backend, converts it to Megatron's layout
-(``relax_plugins.trainer.megatron_weights``), trains with Megatron's tensor-parallel layers, and
-hands weights and checkpoints back in the HF layout, so rollout backends and ``relax`` checkpoints
-do not know which trainer made them. Its contract, log-prob convention (``softmax(logits / T)``,
-entry t is ``log p(token_t | tokens_<t)``) and step semantics are those of ``torch``; the
-conformance tests hold the two to the same losses and gradients.
+(``relax_plugins.trainer.megatron_weights``), trains with Megatron's parallel layers, and hands
+weights and checkpoints back in the HF layout, so rollout backends and ``relax`` checkpoints do not
+know which trainer made them. Its contract, log-prob convention (``softmax(logits / T)``, entry t is
+``log p(token_t | tokens_<t)``) and step semantics are those of ``torch``; the conformance tests
+hold the two to the same losses and gradients, and each parallel layout to the one-process result.
 
-Parallelism comes from ``roles.<role>.parallel``: ``tp`` splits every layer over ranks; the ranks
-left over (world size / tp) are data parallel. Pipeline, context and expert parallelism are
-refused at build time (not wired up here yet). ``torch.distributed`` is initialised if the caller
-has not done so (gloo on CPU, nccl on CUDA; world size and rank from the usual ``RANK`` /
-``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` variables, else a single process).
+Parallelism comes from ``roles.<role>.parallel``, over Megatron's process groups (rank order tp
+fastest, then cp, then dp, then pp: ``initialize_model_parallel``'s default):
+
+- ``tp`` splits every layer over ranks. MoE models run it with sequence parallelism (Megatron
+  trains MoE layers under tp only so): each rank normalises and routes its part of every sequence,
+  with ``megatron_norm``'s RMSNorm (Megatron's local one asserts against sequence parallelism),
+  micro-batch columns padded to a multiple of tp, and the norms' and router's partial gradients
+  summed over the tensor-parallel group.
+- ``pp`` splits the layers into stages (stage s holds layers ``[s*L/pp, (s+1)*L/pp)``; the
+  embedding is on the first, the final norm and output layer on the last). Micro-batches go
+  through the stages in a fill-drain (GPipe) schedule over point-to-point sends: every forward,
+  then every backward in reverse (so a stage holds the activations of all of a mini-batch's
+  micro-batches, where 1F1B would hold pp of them). Megatron's own schedules cannot run here: they
+  create a ``device="cuda"`` tensor unconditionally (``torch.zeros([], device="cuda")`` in
+  ``pipeline_parallel/schedules.py``). Tied embeddings keep a copy of the embedding on the last
+  stage whose gradient is all-reduced with the first stage's over Megatron's embedding group (the
+  trainer's own copy: Megatron's sharing calls ``weight.data.cuda()`` while building).
+  Loss and metrics are computed on the last stage and broadcast over the stage's pipeline group;
+  log-probs are sent back to every stage.
+- ``ep`` splits a MoE model's experts over ranks carved out of the data-parallel ones (so ep must
+  divide the data-parallel size); tokens reach their experts through Megatron's all-gather
+  dispatcher, which needs every expert-parallel peer to pass micro-batches of the same shape, so
+  those are padded to the largest of the peers (padding rows and right-padding columns, which no
+  real token attends to). Expert gradients are summed over the expert-data-parallel group.
+- The ranks left over (world size / (tp x pp)) are data parallel: each is given its own rows.
+- ``cp`` is refused: megatron-core 0.16.1 runs context parallelism only in Transformer Engine's
+  attention (its local ``DotProductAttention`` asserts ``context_parallel_size == 1``), and TE needs
+  CUDA.
+
+Process groups, the vocabulary-parallel log-probs and the gradient reductions live in
+``relax_plugins.trainer.megatron_parallel``. ``torch.distributed`` is initialised if the caller has not done so (gloo on CPU, nccl on CUDA;
+world size and rank from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
+variables, else a single process). Every method is a collective: every rank calls it. Each rank is
+given the batch rows of its data-parallel index (the same rows for all tp/pp/ep peers of one index).
 
 megatron-core needs CUDA for two things a CPU run reaches (``torch.cuda.current_device`` and the
 tensor-parallel RNG tracker); it runs on CPU only in a process where something has stood in for
@@ -24,11 +54,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 
 from relax.contracts import BackendContext
+from relax_plugins.trainer.megatron_parallel import (
+    all_reduce_grads,
+    attention_mask,
+    check_cuda_stand_ins,
+    check_model_parallel_sizes,
+    check_moe_router,
+    data_parallel_group,
+    init_distributed,
+    init_model_parallel,
+    sequence_parallel_block,
+    vocab_parallel_token_stats,
+    wait_sends,
+)
 from relax_plugins.trainer.steps import (
     TrainerConfig,
     add_weighted,
@@ -46,6 +90,18 @@ WEIGHTS_FILE = "model.safetensors"
 #: Files of the source model folder copied into every checkpoint beside the weights.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+#: Megatron's name of the embedding, whose copy the last pipeline stage holds when it is tied.
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as the model runs it: the rows it scores (None for a stand-in that only
+    keeps the expert-parallel peers' collectives in step) and the ``(rows, columns)`` it is padded to."""
+
+    index: int
+    batch: Any
+    shape: tuple[int, int]
 
 
 class MegatronTrainer:
@@ -53,11 +109,12 @@ class MegatronTrainer:
     clipping and one optimizer, with the ``torch`` backend's contract."""
 
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})
-    #: Tensor parallelism splits the layers; the remaining ranks are data parallel. pp, cp and ep
-    #: are refused at build time with a message.
-    parallelism: ClassVar[frozenset[str]] = frozenset({"dp", "tp"})
-    #: Each data-parallel rank holds a full replica of its tensor-parallel shard and its own
-    #: optimizer state (no distributed optimizer yet); the planner divides by tp only.
+    #: Tensor, pipeline and expert parallelism split the model; the remaining ranks are data
+    #: parallel. cp is refused at build time with a message (it needs Transformer Engine).
+    parallelism: ClassVar[frozenset[str]] = frozenset({"dp", "tp", "pp", "ep"})
+    #: Each data-parallel rank holds a full replica of its tensor/pipeline shard (and, for MoE, its
+    #: expert-parallel share of the experts) and its own optimizer state (no distributed optimizer
+    #: yet); the planner divides by tp x pp (and ep for experts) only.
     memory_sharding: ClassVar[str] = "none"
 
     class Config(TrainerConfig):
@@ -86,18 +143,11 @@ class MegatronTrainer:
                                     "Hugging Face model folder")
         self.layout = layout_from_hf_config(json.loads(config_file.read_text()))
         par = self.role.parallel
-        self.tp = int(par.tp)
-        refused = {key: size for key, size in (("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if size != 1}
-        if refused:
-            raise ValueError(f"roles.{context.role}.parallel: {', '.join(f'{k}={v}' for k, v in refused.items())} is "
-                             "not supported by the megatron trainer yet (it runs tp and data parallelism); set "
-                             f"{', '.join(refused)} to 1")
+        self.tp, self.pp, self.ep = int(par.tp), int(par.pp), int(par.ep)
+        # Megatron trains MoE layers under tensor parallelism only with sequence parallelism.
+        self.sequence_parallel = self.layout.is_moe and self.tp > 1
+        check_model_parallel_sizes(self.layout, self.tp, self.pp, self.ep, int(par.cp), context.role)
         check_tensor_parallel(self.layout, self.tp)
-        if self.layout.is_moe and self.tp > 1:
-            raise ValueError(f"roles.{context.role}.parallel.tp={self.tp}: megatron-core trains MoE layers under "
-                             "tensor parallelism only with sequence parallelism, which its local RMSNorm (used here, "
-                             "without Transformer Engine) does not support; use tp=1 for this "
-                             f"{self.layout.model_type} model (data parallelism still applies)")
         self.device = torch.device(context.device)
         if self.device.type == "cuda":
             if self.device.index is None:  # one GPU per rank: the launcher's LOCAL_RANK picks it
@@ -111,11 +161,11 @@ class MegatronTrainer:
         if self.gradient_checkpointing and self.device.type != "cuda":
             raise ValueError(f"roles.{context.role}.gradient_checkpointing: Megatron's activation recomputation "
                              "saves and restores CUDA RNG states, so it needs a GPU; set it to false on CPU")
-        _init_distributed(self.device)
-        _init_model_parallel(self.tp, context.role)
-        _check_cuda_stand_ins(self.device, context.seed)
+        init_distributed(self.device)
+        init_model_parallel(self.tp, self.pp, self.ep, context.role)
+        check_cuda_stand_ins(self.device, context.seed)
         if self.layout.is_moe:
-            _check_moe_router()
+            check_moe_router()
         torch.manual_seed(context.seed)
         self.model = self._build_model()
         self._load_hf(_read_safetensors(self.model_path))
@@ -126,10 +176,25 @@ class MegatronTrainer:
         self.version = 0
         """Optimizer steps taken (the policy version of the current weights)."""
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index (Megatron's): the rows it is given are that share's."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel shares: world size / (tp x pp)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
     # -- building --------------------------------------------------------------------------------
 
     def _build_model(self) -> Any:
         import torch
+        from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -142,7 +207,8 @@ class MegatronTrainer:
             moe = dict(num_moe_experts=layout.num_experts, moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
                        moe_router_topk=layout.moe_top_k, moe_router_pre_softmax=not layout.moe_renormalize,
                        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                       moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+                       moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                       expert_model_parallel_size=self.ep)
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
             if self.gradient_checkpointing else {}
         config = TransformerConfig(
@@ -156,7 +222,8 @@ class MegatronTrainer:
             # Megatron's fused kernels are CUDA-only or need apex/TE; the plain paths are exact.
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-            tensor_model_parallel_size=self.tp, sequence_parallel=False,
+            tensor_model_parallel_size=self.tp, sequence_parallel=self.sequence_parallel,
+            pipeline_model_parallel_size=self.pp, pipeline_dtype=self.dtype,
             params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16,
             use_cpu_initialization=self.device.type == "cpu",
             perform_initialization=False,  # every weight is loaded from the checkpoint next
@@ -164,13 +231,21 @@ class MegatronTrainer:
         )
         spec = get_gpt_layer_local_spec(num_experts=layout.num_experts or None, moe_grouped_gemm=False,
                                         qk_layernorm=layout.qk_norm, normalization="RMSNorm")
+        if self.sequence_parallel:
+            spec = sequence_parallel_block(spec, config, qk_norm=layout.qk_norm)
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(layout, self.tp), max_sequence_length=layout.max_positions,
-            pre_process=True, post_process=True, parallel_output=True,
-            share_embeddings_and_output_weights=layout.tied_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,
+            # Under pp the last stage keeps its own copy of a tied embedding (see _tied_weight):
+            # Megatron's sharing moves the copy to CUDA while building (``weight.data.cuda()``).
+            share_embeddings_and_output_weights=layout.tied_embeddings and self.pp == 1,
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=layout.rope_theta,
         )
+        # Megatron numbers a stage's layers and a rank's experts from 0; these map them to the full model.
+        self._layer_offset = model.decoder.layers[0].layer_number - 1
+        self._expert_offset = parallel_state.get_expert_model_parallel_rank() * (layout.num_experts // self.ep)
         return model.to(self.device)
 
     def _build_optimizer(self) -> Any:
@@ -178,8 +253,17 @@ class MegatronTrainer:
                                "megatron")
 
     def _local_state(self) -> dict[str, Any]:
-        """This rank's Megatron weights by name (Megatron's ``_extra_state`` entries left out)."""
+        """This rank's Megatron weights by their local name (``_extra_state`` entries left out)."""
         return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def _global_name(self, name: str) -> str:
+        """The full model's Megatron name of this rank's weight ``name``; the last stage's copy of a
+        tied embedding is named after the embedding."""
+        from relax_plugins.trainer.megatron_weights import global_name
+
+        if name == "output_layer.weight" and self.layout.tied_embeddings:
+            return EMBEDDING
+        return global_name(name, self._layer_offset, self._expert_offset)
 
     def _load_hf(self, hf: dict[str, Any]) -> None:
         """Copy a full HF ``state_dict`` into this rank's shard of the model, checking every name."""
@@ -190,8 +274,10 @@ class MegatronTrainer:
 
         full = hf_to_megatron(hf, self.layout)
         mine = shard(full, self.layout, parallel_state.get_tensor_model_parallel_rank(), self.tp)
-        local = self._local_state()
-        missing, unexpected = sorted(set(local) - set(mine)), sorted(set(mine) - set(local))
+        local = {self._global_name(k): v for k, v in self._local_state().items()}
+        missing = sorted(set(local) - set(mine))
+        # One stage or one expert-parallel rank holds only part of the model: the rest is another's.
+        unexpected = sorted(set(mine) - set(local)) if self.pp == self.ep == 1 else []
         if missing or unexpected:
             raise ValueError(f"converted weights do not fit the Megatron model: missing {missing[:5]}, unexpected "
                              f"{unexpected[:5]}; this is a bug in the {self.layout.model_type} mapping")
@@ -202,30 +288,169 @@ class MegatronTrainer:
                                      f"{tuple(tensor.shape)}; the checkpoint is of another model size")
                 tensor.copy_(mine[name])
 
-    # -- forward ----------------------------------------------------------------------------------
+    # -- running micro-batches through the stages ---------------------------------------------------
 
-    def _token_stats(self, batch: Any, entropy: bool = False) -> tuple[Any, Any]:
-        """Token log-probs ``[b, t]`` (and entropies, or None) of a trimmed micro-batch, with the
-        graph when grad is on."""
-        ids = batch.input_ids.to(self.device)
-        logits = self.model(input_ids=ids, position_ids=batch.position_ids.to(self.device),
-                            attention_mask=attention_mask(batch.attention_mask.to(self.device)))
-        return vocab_parallel_token_stats(logits, ids, self.temperature, self.layout.vocab_size, entropy)
+    def _micro_batches(self, parts: list[Any]) -> list[MicroBatch]:
+        """The micro-batches to run for this rank's ``parts`` (trimmed micro-batches). Under sequence
+        parallelism the columns are padded to a multiple of tp. Under expert parallelism the peers
+        all-gather their tokens, so they must run the same number of micro-batches of the same
+        shapes: each is padded to the peers' largest, and a rank with fewer runs stand-ins."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        shapes = [tuple(part.input_ids.shape) for part in parts]
+        if self.sequence_parallel:  # the sequence splits into tp equal parts
+            shapes = [(rows, -(-cols // self.tp) * self.tp) for rows, cols in shapes]
+        if self.ep == 1:
+            return [MicroBatch(i, part, shape) for i, (part, shape) in enumerate(zip(parts, shapes))]
+        group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        count = torch.tensor([len(parts)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        table = torch.zeros(int(count), 2, dtype=torch.int64, device=self.device)
+        if shapes:
+            table[:len(shapes)] = torch.tensor(shapes, dtype=torch.int64, device=self.device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+        parts = parts + [None] * (int(count) - len(parts))
+        return [MicroBatch(i, part, (int(rows), int(cols))) for i, (part, (rows, cols)) in
+                enumerate(zip(parts, table.tolist()))]
+
+    def _model_inputs(self, micro: MicroBatch) -> dict[str, Any]:
+        """The model's keyword inputs for ``micro``, padded (below and to the right) to its shape."""
+        import torch
+
+        rows, cols = micro.shape
+        tensors = {"input_ids": torch.zeros(rows, cols, dtype=torch.int64),
+                   "position_ids": torch.zeros(rows, cols, dtype=torch.int64),
+                   "attention_mask": torch.zeros(rows, cols, dtype=torch.int64)}
+        if micro.batch is not None:
+            r, c = micro.batch.input_ids.shape
+            if (r, c) == (rows, cols):
+                tensors = {k: getattr(micro.batch, k) for k in tensors}
+            else:
+                for key, tensor in tensors.items():
+                    tensor[:r, :c] = getattr(micro.batch, key)
+        mask = attention_mask(tensors["attention_mask"].to(self.device))
+        return {"input_ids": tensors["input_ids"].to(self.device),
+                "position_ids": tensors["position_ids"].to(self.device), "attention_mask": mask}
+
+    def _run(self, micros: list[MicroBatch], on_logits: Callable[[MicroBatch, Any], Any], train: bool) -> None:
+        """Run ``micros`` through the model, and backward when ``train``. On the last stage
+        ``on_logits(micro, logits)`` gets each real micro-batch's logits (its own rows and columns)
+        and returns the loss to backpropagate (when training).
+
+        Without pipeline parallelism each micro-batch goes forward and backward in turn. With it,
+        the stages run a fill-drain schedule: every micro-batch forward (receiving hidden states
+        from the previous stage, sending them on), then every backward in reverse order (receiving
+        the gradient from the next stage, sending the input's gradient back). Each phase sends in
+        one direction only, so blocking receives cannot deadlock."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
+        held: list[tuple[Any, Any]] = []
+        sends: list[tuple[Any, Any]] = []
+        for micro in micros:
+            inputs = self._model_inputs(micro)
+            received = None
+            if not first:
+                rows, cols = micro.shape
+                if self.sequence_parallel:
+                    cols //= self.tp
+                received = torch.empty(cols, rows, self.layout.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank(), group=group)
+                received.requires_grad_(train)
+                self.model.set_input_tensor(received)
+            output = self.model(**inputs)
+            if last:
+                if micro.batch is not None:
+                    rows, cols = micro.batch.input_ids.shape
+                    output = on_logits(micro, output[:rows, :cols])
+                elif train:  # a stand-in: no loss, but its backward runs the peers' collectives
+                    output = output.sum() * 0.0
+            else:
+                sent = output.detach().contiguous()
+                sends.append((dist.isend(sent, dst=parallel_state.get_pipeline_model_parallel_next_rank(),
+                                         group=group), sent))
+            if not train:
+                continue
+            if self.pp == 1:
+                output.backward()
+            else:
+                held.append((received, output))
+        wait_sends(sends)
+        for received, output in reversed(held):
+            if last:
+                output.backward()
+            else:
+                grad = torch.empty_like(output)
+                dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank(), group=group)
+                output.backward(grad)
+            if not first:
+                sent = received.grad.contiguous()
+                sends.append((dist.isend(sent, dst=parallel_state.get_pipeline_model_parallel_prev_rank(),
+                                         group=group), sent))
+        wait_sends(sends)
+
+    def _tied_weight(self) -> Any:
+        """Under pipeline parallelism with tied embeddings, this stage's copy of the embedding: the
+        first stage's embedding or the last stage's output layer, kept equal by summing their
+        gradients over Megatron's embedding group (as its ``finalize_model_grads`` does). None
+        on other stages and otherwise."""
+        from megatron.core import parallel_state
+
+        if self.pp == 1 or not self.layout.tied_embeddings or not parallel_state.is_rank_in_embedding_group():
+            return None
+        if parallel_state.is_pipeline_first_stage():
+            return self.model.embedding.word_embeddings.weight
+        return self.model.output_layer.weight
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """``value`` as the last pipeline stage has it (a tensor or a picklable object), on every stage."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.pp == 1:
+            return value
+        group = parallel_state.get_pipeline_model_parallel_group()
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        if isinstance(value, torch.Tensor):
+            moved = value.to(self.device)
+            dist.broadcast(moved, src=src, group=group)
+            return moved.to(value.device)
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    # -- forward ----------------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: Any) -> Any:
         """``[B, T]`` float32 log-probs of every token under the current weights (CPU, no grad);
-        entry t is ``log p(token_t | tokens_<t)``, 0 at column 0."""
+        entry t is ``log p(token_t | tokens_<t)``, 0 at column 0. Every stage returns them (the last
+        stage computes them and broadcasts them over its pipeline group)."""
         import torch
 
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        places, parts = [], []
+        for start in range(0, batch.batch_size, self.micro_batch_size):
+            rows = slice(start, start + self.micro_batch_size)
+            part = batch.select(rows)
+            cols = part.used_columns()
+            places.append((rows, cols))
+            parts.append(part.select_columns(cols))
+
+        def on_logits(micro: MicroBatch, logits: Any) -> None:
+            ids = micro.batch.input_ids.to(self.device)
+            stats = vocab_parallel_token_stats(logits, ids, self.temperature, self.layout.vocab_size)[0]
+            out[places[micro.index]] = stats.float().cpu()
+
         self.model.eval()
         with torch.no_grad():
-            for start in range(0, batch.batch_size, self.micro_batch_size):
-                rows = slice(start, start + self.micro_batch_size)
-                part = batch.select(rows)
-                cols = part.used_columns()
-                out[rows, cols] = self._token_stats(part.select_columns(cols))[0].float().cpu()
-        return out
+            self._run(self._micro_batches(parts), on_logits, train=False)
+        return self._from_last_stage(out)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -236,30 +461,28 @@ class MegatronTrainer:
         The same semantics as the ``torch`` backend: each micro-batch's loss is weighted by its share
         of the mini-batch (``micro_batch_share``), so the gradient is that of the whole mini-batch.
         Data-parallel ranks each pass their own shard of the step's samples; shares count the
-        tokens of all of them and gradients are summed over them. The ranks of one tensor-parallel
-        group must be given the same samples.
+        tokens of all of them and gradients are summed over them (expert gradients over the
+        expert-data-parallel group). The tensor, pipeline and expert-parallel peers of one
+        data-parallel index must be given the same samples.
 
-        Returns the mean over updates of ``loss``, ``grad_norm`` (before clipping) and the loss's
-        metrics, plus ``lr``, ``tokens`` (this rank's response tokens), ``updates`` and ``version``.
+        Returns, on every rank, the mean over updates of ``loss``, ``grad_norm`` (before clipping,
+        over the whole model) and the loss's metrics, summed over data-parallel ranks, plus ``lr``,
+        ``tokens`` (this rank's response tokens), ``updates`` and ``version``.
         """
         import torch
+        from megatron.core import parallel_state
 
         if self.optimizer is None or self.loss is None:
             raise RuntimeError(f"roles.{self.context.role} is forward-only (no optimizer or loss); "
                                "it can compute log-probs but not train")
-        dp_group = _data_parallel_group()
+        dp_group = data_parallel_group()
         updates = self.updates_per_step
         if dp_group is not None and batch.batch_size < updates:
             raise ValueError(f"this rank got {batch.batch_size} samples, fewer than "
                              f"algorithm.updates_per_step={updates}; give each rank at least that many")
-        from relax_plugins.trainer.megatron_weights import grad_summed_over_tensor_parallel, is_split
-
         wants_entropy = bool(getattr(self.loss, "needs_entropy", False))
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        split = [is_split(name) for name, _ in named]
-        partial = [p for name, p in named if self.tp > 1 and grad_summed_over_tensor_parallel(name)]
-        clip = self.optimizer_spec.grad_clip
+        last = parallel_state.is_pipeline_last_stage()
         totals: dict[str, float] = {}
         taken = 0
         self.model.train()
@@ -272,21 +495,23 @@ class MegatronTrainer:
                 tokens, rows = float(counts[0]), float(counts[1])
             self.optimizer.zero_grad(set_to_none=True)
             stats: dict[str, float] = {}
-            for micro in minibatch.split(self.micro_batch_size):
-                micro = micro.to(self.device)
-                share = micro_batch_share(self.loss, micro, tokens, rows)
-                logprobs, entropy = self._token_stats(micro, entropy=wants_entropy)
+
+            def on_logits(micro: MicroBatch, logits: Any, tokens: float = tokens, rows: float = rows,
+                          stats: dict[str, float] = stats) -> Any:
+                part = micro.batch.to(self.device)
+                share = micro_batch_share(self.loss, part, tokens, rows)
+                logprobs, entropy = vocab_parallel_token_stats(logits, part.input_ids, self.temperature,
+                                                               self.layout.vocab_size, wants_entropy)
                 if wants_entropy:
-                    loss, metrics = self.loss.compute(micro, logprobs, entropy=entropy)
+                    loss, metrics = self.loss.compute(part, logprobs, entropy=entropy)
                 else:
-                    loss, metrics = self.loss.compute(micro, logprobs)
-                (loss * share).backward()
+                    loss, metrics = self.loss.compute(part, logprobs)
                 add_weighted(stats, float(loss.item()), metrics, share)
-            if partial:
-                _sum_partial_grads_over_tensor_parallel(partial)
-            if dp_group is not None:
-                _sum_over_data_parallel(dp_group, params, stats, self.device)
-            stats["grad_norm"] = _clip_grad_norm(params, split, clip)
+                return loss * share
+
+            self._run(self._micro_batches(list(minibatch.split(self.micro_batch_size))), on_logits, train=True)
+            self._reduce_grads(named, dp_group, stats if last else None)
+            stats["grad_norm"] = self._clip_grad_norm(named, self.optimizer_spec.grad_clip)
             self.optimizer.step()
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -294,44 +519,134 @@ class MegatronTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.version += 1
+        totals = self._from_last_stage(totals)
         return step_result(totals, taken, batch.num_response_tokens, self.optimizer, self.version)
+
+    def _reduce_grads(self, named: list[tuple[str, Any]], dp_group: Any, stats: dict[str, float] | None) -> None:
+        """Complete this rank's gradients: the tensor-parallel parts of replicated weights summed,
+        a tied embedding's two pipeline copies summed, dense gradients (and the stats, on the last
+        stage) summed over the data-parallel group, expert ones over the expert-data-parallel group."""
+        import torch
+        from megatron.core import parallel_state
+
+        from relax_plugins.trainer.megatron_weights import grad_summed_over_tensor_parallel, is_expert
+
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.tp > 1:
+            partial = [p for name, p in named
+                       if grad_summed_over_tensor_parallel(name) or getattr(p, "sequence_parallel", False)]
+            if partial:
+                all_reduce_grads(partial, parallel_state.get_tensor_model_parallel_group())
+        tied = self._tied_weight()
+        if tied is not None:
+            all_reduce_grads([tied], parallel_state.get_embedding_group())
+        if dp_group is not None:
+            dense = [p for name, p in named if not is_expert(name)]
+            all_reduce_grads(dense, dp_group)
+            if stats is not None:
+                keys = sorted(stats)
+                values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
+                torch.distributed.all_reduce(values, group=dp_group)
+                stats.update({k: float(v) for k, v in zip(keys, values)})
+        experts = [p for name, p in named if is_expert(name)]
+        if experts and parallel_state.get_expert_data_parallel_world_size() > 1:
+            all_reduce_grads(experts, parallel_state.get_expert_data_parallel_group())
+
+    def _clip_grad_norm(self, named: list[tuple[str, Any]], max_norm: float) -> float:
+        """The global gradient norm over the whole model, before clipping; gradients are scaled as
+        ``torch.nn.utils.clip_grad_norm_`` scales them when ``max_norm > 0``. A weight every
+        tensor-parallel rank holds (norms, the router) is counted once, as is a tied embedding
+        (on the first stage); dense squares are summed over the model-parallel group (tp x pp),
+        expert ones over the expert-tensor-model-pipeline group (tp x ep x pp)."""
+        import torch
+        from megatron.core import parallel_state
+
+        from relax_plugins.trainer.megatron_weights import is_expert, is_split
+
+        first = parallel_state.get_tensor_model_parallel_rank() == 0
+        last_stage_copy = self._tied_weight() if not parallel_state.is_pipeline_first_stage() else None
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in named:
+            if p.grad is None or p is last_stage_copy or not (first or is_split(name)):
+                continue
+            square = p.grad.detach().double().pow(2).sum()
+            if is_expert(name):
+                experts += square
+            else:
+                dense += square
+        if self.tp * self.pp > 1:
+            torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if self.layout.is_moe and self.tp * self.pp * self.ep > 1:
+            torch.distributed.all_reduce(experts,
+                                         group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        norm = float((dense + experts).sqrt())
+        if max_norm > 0:
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            if coef < 1.0:
+                for _, p in named:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
 
     # -- weights and checkpoints -------------------------------------------------------------------
 
     def _full_megatron_state(self) -> dict[str, Any]:
-        """The unsharded Megatron weights on CPU (a collective over the tensor-parallel group)."""
+        """The full Megatron weights on CPU, on every rank (a collective: the tensor-parallel shards
+        are joined over the tensor-parallel group, then the stages and expert shares over all ranks)."""
         import torch
+        import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from relax_plugins.trainer.megatron_weights import unshard
+        from relax_plugins.trainer.megatron_weights import is_expert, unshard
 
-        local = {k: v.detach() for k, v in self._local_state().items()}
+        last_stage_copy = self.pp > 1 and self.layout.tied_embeddings and not parallel_state.is_pipeline_first_stage()
+        local = {self._global_name(k): v.detach() for k, v in self._local_state().items()
+                 if not (last_stage_copy and k == "output_layer.weight")}
         if self.tp == 1:
-            return {k: v.cpu() for k, v in local.items()}
-        group = parallel_state.get_tensor_model_parallel_group()
-        shards: list[dict[str, Any]] = [{} for _ in range(self.tp)]
-        for name, tensor in local.items():
-            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
-            torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-            for rank, part in enumerate(parts):
-                shards[rank][name] = part.cpu()
-        return unshard(shards, self.layout)
+            full = {k: v.cpu() for k, v in local.items()}
+        else:
+            group = parallel_state.get_tensor_model_parallel_group()
+            shards: list[dict[str, Any]] = [{} for _ in range(self.tp)]
+            for name, tensor in local.items():
+                parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                for rank, part in enumerate(parts):
+                    shards[rank][name] = part.cpu()
+            full = unshard(shards, self.layout)
+        if self.pp == self.ep == 1:
+            return full
+        # One copy of each weight: a stage's dense weights from its first data-parallel rank, a
+        # rank's experts from the first of its expert-data-parallel group.
+        keep = {}
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            dense_owner = parallel_state.get_data_parallel_rank() == 0
+            expert_owner = parallel_state.get_expert_data_parallel_rank() == 0
+            keep = {k: v for k, v in full.items() if (expert_owner if is_expert(k) else dense_owner)}
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, keep)
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
 
     def weights(self) -> dict[str, Any]:
-        """The full HF ``state_dict`` (a tied ``lm_head.weight`` included) as detached CPU clones.
-        Under tensor parallelism every rank of the group must call it (it gathers the shards)."""
+        """The full HF ``state_dict`` (a tied ``lm_head.weight`` included) as detached CPU clones, on
+        every rank. Every rank must call it (it gathers the shards and the stages)."""
         from relax_plugins.trainer.megatron_weights import megatron_to_hf
 
         return {k: v.clone() for k, v in megatron_to_hf(self._full_megatron_state(), self.layout).items()}
 
     def save(self, path: str) -> None:
         """Write a checkpoint folder atomically: an HF model folder (``model.safetensors``, the
-        source folder's config and tokenizer files) plus ``optimizer.pt`` (every tensor-parallel
-        rank's optimizer state) and ``trainer_state.json``. It is written beside ``path`` and
-        renamed into place, so ``path`` is either the old checkpoint or the new one. Every rank of
-        the tensor-parallel group calls it (a collective); the first rank writes."""
-        import torch
-        from safetensors.torch import save_file
+        source folder's config and tokenizer files) plus ``optimizer.pt`` (the optimizer state of
+        every model-parallel rank: each tp x pp x ep coordinate) and ``trainer_state.json``. It is
+        written beside ``path`` and renamed into place, so ``path`` is either the old checkpoint or
+        the new one. Every rank calls it (a collective); global rank 0 writes, and no rank returns
+        before the folder is in place."""
+        import torch.distributed as dist
 
         from relax_plugins.trainer.megatron_weights import megatron_to_hf
 
@@ -341,8 +656,16 @@ class MegatronTrainer:
         if self.layout.tied_embeddings:
             weights.pop("lm_head.weight")  # as HF save_pretrained writes a tied model
         optimizer_states = self._gather_optimizer_states()
-        if not _is_first_rank_of_tp_group() or _data_parallel_rank() != 0:
-            return
+        try:
+            if dist.get_rank() == 0:
+                self._write_checkpoint(path, weights, optimizer_states)
+        finally:  # no rank returns (and, say, loads it) before the folder is in place
+            dist.barrier()
+
+    def _write_checkpoint(self, path: str, weights: dict[str, Any], optimizer_states: list[Any] | None) -> None:
+        import torch
+        from safetensors.torch import save_file
+
         with atomic_folder(path) as staging:
             for name in MODEL_FILES:
                 if (self.model_path / name).is_file():
@@ -350,28 +673,47 @@ class MegatronTrainer:
             save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / WEIGHTS_FILE),
                       metadata={"format": "pt"})
             if optimizer_states is not None:
-                torch.save({"tensor_parallel": self.tp, "ranks": optimizer_states}, staging / OPTIMIZER_FILE)
+                torch.save({"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "expert_parallel": self.ep,
+                            "ranks": optimizer_states}, staging / OPTIMIZER_FILE)
             (staging / STATE_FILE).write_text(json.dumps({"version": self.version, "backend": "megatron"}))
 
+    def _model_parallel_index(self) -> int:
+        """This rank's place among the model-parallel coordinates: ``(pp_rank * ep + ep_rank) * tp +
+        tp_rank`` (the tensor-parallel rank alone when there is no pp or ep)."""
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        return (pp_rank * self.ep + ep_rank) * self.tp + parallel_state.get_tensor_model_parallel_rank()
+
     def _gather_optimizer_states(self) -> list[dict[str, Any]] | None:
-        """Every tensor-parallel rank's optimizer ``state_dict``, in rank order (None if forward-only)."""
-        import torch
+        """On global rank 0, every model-parallel rank's optimizer ``state_dict`` in
+        ``_model_parallel_index`` order (None on the other ranks, and if forward-only)."""
+        import torch.distributed as dist
         from megatron.core import parallel_state
 
         if self.optimizer is None:
             return None
         mine = _to_cpu(self.optimizer.state_dict())
-        if self.tp == 1:
+        if dist.get_world_size() == 1:
             return [mine]
-        states: list[Any] = [None] * self.tp
-        torch.distributed.all_gather_object(states, mine, group=parallel_state.get_tensor_model_parallel_group())
+        # Dense weights' states are the same on every data-parallel rank, experts' on every
+        # expert-data-parallel rank: the first of each expert-data-parallel group holds a full set.
+        entry = (self._model_parallel_index(), mine) if parallel_state.get_expert_data_parallel_rank() == 0 else None
+        entries: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(entry, entries, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        states: list[Any] = [None] * (self.tp * self.pp * self.ep)
+        for item in entries:
+            if item is not None:
+                states[item[0]] = item[1]
         return states
 
     def load(self, path: str) -> None:
         """Restore the weights, the optimizer state and the version from a ``save`` folder (or the
-        weights alone from any HF folder of the same model)."""
+        weights alone from any HF folder of the same model). Every rank calls it."""
         import torch
-        from megatron.core import parallel_state
 
         folder = Path(path)
         self._load_hf(_read_safetensors(folder))
@@ -381,236 +723,17 @@ class MegatronTrainer:
             if not isinstance(saved, dict) or "ranks" not in saved:
                 raise ValueError(f"{optimizer_file} was not written by the megatron trainer (another backend's "
                                  "optimizer state); load the weights only, from a folder without it")
-            if saved["tensor_parallel"] != self.tp:
-                raise ValueError(f"{optimizer_file} holds the optimizer state of tp={saved['tensor_parallel']} but "
-                                 f"this trainer runs tp={self.tp}; resume with the same tp")
-            state = saved["ranks"][parallel_state.get_tensor_model_parallel_rank()]
-            self.optimizer.load_state_dict(state)
+            have = {"tp": self.tp, "pp": self.pp, "ep": self.ep}
+            was = {"tp": saved["tensor_parallel"], "pp": saved.get("pipeline_parallel", 1),
+                   "ep": saved.get("expert_parallel", 1)}
+            if was != have:
+                show = lambda sizes: ", ".join(f"{k}={v}" for k, v in sizes.items())  # noqa: E731
+                raise ValueError(f"{optimizer_file} holds the optimizer state of {show(was)} but this trainer runs "
+                                 f"{show(have)}; resume with the same tp, pp and ep")
+            self.optimizer.load_state_dict(saved["ranks"][self._model_parallel_index()])
         state_file = folder / STATE_FILE
         if state_file.is_file():
             self.version = int(json.loads(state_file.read_text()).get("version", 0))
-
-
-# -- log-probs over a vocabulary split across tensor-parallel ranks ----------------------------------
-
-
-def attention_mask(mask: Any) -> Any:
-    """Megatron's boolean attention mask ``[b, 1, t, t]`` (True = may not attend) from a ``[b, t]``
-    padding mask: causal, and no real query attends to padding. A padding query may attend to itself,
-    so no softmax row is empty."""
-    import torch
-
-    t = mask.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril()
-    allowed = causal & mask.bool()[:, None, :]
-    allowed = allowed | torch.eye(t, dtype=torch.bool, device=mask.device)
-    return ~allowed[:, None]
-
-
-def vocab_parallel_token_stats(logits: Any, input_ids: Any, temperature: float, vocab_size: int,
-                               entropy: bool = False) -> tuple[Any, Any]:
-    """Token log-probs ``[b, t]`` (and entropies when asked, else None) in float32, aligned like
-    ``relax.algo.batch.token_logprobs``: entry t scores ``input_ids[t]`` under ``logits[t-1] / T``,
-    entry 0 is 0. ``logits`` is this rank's vocabulary shard ``[b, t, V / tp]`` (rank r holds
-    columns ``r*V/tp ...``); columns at or past ``vocab_size`` are padding and get no probability.
-
-    ``log p = z_target - (m + log sum exp(z - m))`` with the max ``m``, the sum and the target logit
-    each reduced over the tensor-parallel group; the entropy is ``m + log S - sum p z``. Sums are
-    all-reduced forward and passed through unchanged backward (every rank computes the same loss
-    from them), the max is a constant of the gradient. With tp = 1 the reductions are no-ops.
-    """
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    width = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * width
-    z = logits[:, :-1].float()
-    if temperature != 1.0:
-        z = z / temperature
-    padded = start + width > vocab_size
-    if padded:
-        valid = torch.arange(start, start + width, device=z.device) < vocab_size
-        z = z.masked_fill(~valid, float("-inf"))
-    m = z.detach().max(dim=-1).values
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_tensor_model_parallel_group())
-    shifted = z - m.unsqueeze(-1)
-    exp = shifted.exp()
-    total = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
-    targets = input_ids[:, 1:] - start
-    here = (targets >= 0) & (targets < width)
-    picked = shifted.gather(-1, targets.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    picked = reduce_from_tensor_model_parallel_region(torch.where(here, picked, torch.zeros_like(picked)))
-    log_total = total.log()
-    logprobs = torch.nn.functional.pad(picked - log_total, (1, 0), value=0.0)
-    if not entropy:
-        return logprobs, None
-    finite = shifted.masked_fill(~torch.isfinite(shifted), 0.0) if padded else shifted
-    weighted = reduce_from_tensor_model_parallel_region((exp * finite).sum(dim=-1))
-    token_entropy = log_total - weighted / total
-    return logprobs, torch.nn.functional.pad(token_entropy, (1, 0), value=0.0)
-
-
-# -- process groups, gradients ----------------------------------------------------------------------
-
-
-def _init_distributed(device: Any) -> None:
-    """Start ``torch.distributed`` unless the caller did: from ``RANK``/``WORLD_SIZE``/``MASTER_*``
-    when set (torchrun, a launcher), else as a single process."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RuntimeError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; set both to the "
-                               "address of rank 0 to start torch.distributed")
-        dist.init_process_group(backend, init_method="env://")
-        return
-    # One process: an in-memory store, so no port is taken (a probed free port can be grabbed by
-    # another process before the TCP store binds it).
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def _init_model_parallel(tp: int, role: str) -> None:
-    """Megatron's process groups for ``tp`` (data parallel over the rest), or a check that the ones
-    already set up in this process agree."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    world = dist.get_world_size()
-    if world % tp:
-        raise ValueError(f"roles.{role}.parallel.tp={tp} does not divide the world size {world} (ranks of this "
-                         f"role); give the role a multiple of {tp} ranks, or a tp that divides {world}")
-    if parallel_state.model_parallel_is_initialized():
-        have = parallel_state.get_tensor_model_parallel_world_size()
-        if have != tp:
-            raise ValueError(f"Megatron's process groups in this process already use tp={have}, but "
-                             f"roles.{role}.parallel.tp={tp}; one process runs one tensor-parallel layout")
-        return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-
-
-def _check_cuda_stand_ins(device: Any, seed: int) -> None:
-    """Seed Megatron's tensor-parallel RNG on CUDA; on CPU, fail with what to do if nothing stands in
-    for the CUDA calls megatron-core makes."""
-    import torch
-    from megatron.core import tensor_parallel
-
-    if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        return
-    try:
-        torch.cuda.current_device()
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            pass
-    except Exception as exc:  # any failure here means the same: no CPU stand-ins
-        raise RuntimeError(
-            "megatron-core needs CUDA, and this process runs on CPU without stand-ins for "
-            f"torch.cuda.current_device and the tensor-parallel RNG tracker ({exc}); run on a GPU, or "
-            "install the CPU stand-ins first (tests.backends.megatron_cpu.install_cpu_shims; through the "
-            "runtime: RELAX_WORKER_SETUP=tests.backends.megatron_cpu.install_cpu_shims)") from exc
-
-
-def _check_moe_router() -> None:
-    """megatron-core 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, a name defined only when
-    Transformer Engine imports; without it every MoE forward fails with a ``NameError``. Refuse early."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        raise RuntimeError("megatron-core 0.16.1 runs MoE layers only with Transformer Engine installed (its router "
-                           "reads te_general_gemm, which is undefined without TE); install transformer-engine, or "
-                           "define megatron.core.transformer.moe.moe_utils.te_general_gemm = None first (the "
-                           "tests' harness does), or train this model with the torch trainer")
-
-
-def _data_parallel_group() -> Any:
-    """Megatron's data-parallel group when it has more than one rank, else None."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_data_parallel_world_size() > 1:
-        return parallel_state.get_data_parallel_group()
-    return None
-
-
-def _data_parallel_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank()
-
-
-def _is_first_rank_of_tp_group() -> bool:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank() == 0
-
-
-def _sum_partial_grads_over_tensor_parallel(params: list[Any]) -> None:
-    """Sum, over the tensor-parallel group, the gradients of replicated weights of which each rank
-    holds only a part (see ``grad_summed_over_tensor_parallel``), in one flat buffer."""
-    import torch
-    from megatron.core import parallel_state
-
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    torch.distributed.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
-
-
-def _sum_over_data_parallel(group: Any, params: list[Any], stats: dict[str, float], device: Any) -> None:
-    """Sum gradients and share-weighted metrics over the data-parallel ranks, one flat buffer each."""
-    import torch
-
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    torch.distributed.all_reduce(flat, group=group)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
-    keys = sorted(stats)
-    values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(values, group=group)
-    stats.update({k: float(v) for k, v in zip(keys, values)})
-
-
-def _clip_grad_norm(params: list[Any], split: list[bool], max_norm: float) -> float:
-    """The global gradient norm over the whole (tensor-parallel) model, before clipping; gradients are
-    scaled as ``torch.nn.utils.clip_grad_norm_`` scales them when ``max_norm > 0``. ``split[i]`` says
-    whether ``params[i]`` is split over tensor-parallel ranks; a weight every rank holds (norms, the
-    router) is counted once."""
-    import torch
-    from megatron.core import parallel_state
-
-    first = parallel_state.get_tensor_model_parallel_rank() == 0
-    grads = [p.grad for p, s in zip(params, split) if p.grad is not None and (first or s)]
-    device = params[0].device
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        squares += g.detach().double().pow(2).sum()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
-    norm = float(squares.sqrt())
-    if max_norm > 0:
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return norm
 
 
 def _read_safetensors(folder: Path) -> dict[str, Any]:

@@ -13,6 +13,9 @@ Three steps, each a pure function of tensors (torch only, imported inside the fu
    Megatron's column- and row-parallel layers expect, and join them back. Vocabulary rows are
    padded with zeros up to a multiple of the TP size (Megatron needs equal vocabulary shards); the
    trainer keeps the padded logits out of every softmax.
+4. ``global_name`` renames a weight of one pipeline stage / expert-parallel rank (whose layers and
+   experts Megatron numbers from 0 locally) to its name in the full model, so the same mapping
+   serves every stage.
 
 Supported: Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) dense models, and Qwen3-MoE and Mixtral
 sparse models (a softmax top-k router, no shared experts).
@@ -327,8 +330,29 @@ def grad_summed_over_tensor_parallel(name: str) -> bool:
     """Whether each tensor-parallel rank computes only part of the gradient of the replicated weight
     ``name``, so the parts must be summed over the group: the q/k norms, as each rank normalises
     only its own heads (without sequence parallelism the other replicated weights see the same
-    inputs and gradients on every rank). Megatron's ``finalize_model_grads`` applies the same rule."""
+    inputs and gradients on every rank; with it, the trainer also sums the weights Megatron marks
+    ``sequence_parallel``). Megatron's ``finalize_model_grads`` applies the same rule."""
     return name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+
+
+def is_expert(name: str) -> bool:
+    """Whether the Megatron weight ``name`` belongs to a routed expert (split over expert-parallel
+    ranks, its gradient summed over the expert-data-parallel group, not the data-parallel one)."""
+    return ".mlp.experts." in name
+
+
+def global_name(name: str, layer_offset: int, expert_offset: int) -> str:
+    """The full model's name of a weight that a pipeline stage or expert-parallel rank holds under
+    its local name: Megatron numbers a stage's layers (``decoder.layers.i``) and a rank's experts
+    (``local_experts.j``) from 0; the stage's first layer is global layer ``layer_offset`` and the
+    rank's first expert is global expert ``expert_offset``."""
+    import re
+
+    if layer_offset:
+        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+    if expert_offset:
+        name = re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{int(m[1]) + expert_offset}.", name)
+    return name
 
 
 def padded_vocab_size(layout: ModelLayout, tp: int) -> int:

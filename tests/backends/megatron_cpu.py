@@ -56,10 +56,11 @@ def _cpu_device():
 # -- shared by the tests and by the ranks of a multi-process check -----------------------------------
 
 
-def trainer_spec(model_path: str, *, tp: int = 1, micro_batch_size: int = 3, temperature: float = 0.7,
-                 backend: str = "megatron", extra: dict | None = None):
-    """A validated spec whose actor trains ``model_path``; ``tp`` is set after validation, because
-    the spec rules rightly refuse tp > 1 for a role without GPUs, while gloo ranks run it on CPU."""
+def trainer_spec(model_path: str, *, tp: int = 1, pp: int = 1, ep: int = 1, micro_batch_size: int = 3,
+                 temperature: float = 0.7, backend: str = "megatron", extra: dict | None = None):
+    """A validated spec whose actor trains ``model_path``; ``tp``, ``pp`` and ``ep`` are set after
+    validation, because the spec rules rightly refuse them > 1 for a role without GPUs, while gloo
+    ranks run them on CPU."""
     from relax.spec import validate_spec
 
     raw = {"name": "megatron-test", "model": {"path": model_path},
@@ -75,6 +76,8 @@ def trainer_spec(model_path: str, *, tp: int = 1, micro_batch_size: int = 3, tem
         node[leaf] = value
     spec = validate_spec(raw)
     spec.roles.actor.parallel.tp = tp
+    spec.roles.actor.parallel.pp = pp
+    spec.roles.actor.parallel.ep = ep
     return spec
 
 
@@ -105,17 +108,51 @@ def sample_batch(rows: int = 7, vocab: int = 99, seed: int = 0):
     return collate(gens, torch.randn(rows, generator=g), pad_token_id=0)
 
 
+def data_parallel_share(batch, trainer):
+    """The rows of ``batch`` that ``trainer``'s data-parallel index is given (consecutive, as equal
+    as possible), as the runtime hands them out."""
+    size, rank = trainer.data_parallel_size, trainer.data_parallel_rank
+    bounds = [round(i * batch.batch_size / size) for i in range(size + 1)]
+    return batch.select(slice(bounds[rank], bounds[rank + 1]))
+
+
 def probe(trainer) -> dict:
-    """What the tensor-parallel check compares: log-probs, one step's metrics, the weights after it."""
+    """What the parallel checks compare: log-probs (of every data-parallel share, joined), one
+    step's metrics, the weights after it. A collective when the trainer runs on several ranks."""
+    import torch
+
     batch = sample_batch()
-    logprobs = trainer.compute_logprobs(batch)
-    metrics = trainer.train_step(batch)
-    return {"logprobs": logprobs, "metrics": metrics, "weights": trainer.weights()}
+    mine = data_parallel_share(batch, trainer)
+    logprobs = trainer.compute_logprobs(mine)
+    metrics = trainer.train_step(mine)
+    weights = trainer.weights()
+    if trainer.data_parallel_size > 1:
+        shares = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shares, (trainer.data_parallel_rank, logprobs))
+        logprobs = torch.cat([dict(shares)[rank] for rank in range(trainer.data_parallel_size)])
+    return {"logprobs": logprobs, "metrics": metrics, "weights": weights}
 
 
-def _run_rank(model_path: str, tp: int, out: str) -> None:
+def checkpoint_round_trip(trainer, resumed, folder: str) -> dict:
+    """Train ``trainer`` a step, save it to ``folder``, load that into ``resumed`` (built alike),
+    and report both sides: the weights saved, the versions, and the next log-probs, step losses
+    and weights of each. A collective when the trainers run on several ranks."""
+    batch = sample_batch()
+    trainer.train_step(batch)
+    saved = trainer.weights()
+    trainer.save(folder)
+    resumed.load(folder)
+    result = {"saved": saved, "version": resumed.version,
+              "logprobs": (trainer.compute_logprobs(batch), resumed.compute_logprobs(batch))}
+    result["loss"] = (trainer.train_step(batch)["loss"], resumed.train_step(batch)["loss"])
+    result["weights"] = (trainer.weights(), resumed.weights())
+    return result
+
+
+def _run_rank(model_path: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, check: str = "probe") -> None:
     """One gloo rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment) of a
-    tensor-parallel run of ``probe``; rank 0 writes the result to ``out``."""
+    parallel run of ``probe`` (or, with ``check="checkpoint"``, of ``checkpoint_round_trip`` into
+    ``out`` + ".ckpt"); rank 0 writes the result to ``out``."""
     import os
 
     import torch
@@ -124,10 +161,18 @@ def _run_rank(model_path: str, tp: int, out: str) -> None:
 
     torch.set_num_threads(1)
     install_cpu_shims()
-    trainer = build_trainer(MegatronTrainer, trainer_spec(model_path, tp=tp), model_path)
+    spec = trainer_spec(model_path, tp=tp, pp=pp, ep=ep)
+    trainer = build_trainer(MegatronTrainer, spec, model_path)
     from megatron.core import parallel_state
 
-    result = {**probe(trainer), "tp": parallel_state.get_tensor_model_parallel_world_size()}
+    if check == "checkpoint":
+        result = checkpoint_round_trip(trainer, build_trainer(MegatronTrainer, spec, model_path), out + ".ckpt")
+    else:
+        result = probe(trainer)
+    result["sizes"] = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+                       "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "ep": parallel_state.get_expert_model_parallel_world_size(),
+                       "dp": trainer.data_parallel_size}
     if os.environ["RANK"] == "0":
         torch.save(result, out)
 
@@ -135,4 +180,6 @@ def _run_rank(model_path: str, tp: int, out: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    _run_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    model, output, *sizes = sys.argv[1:]
+    named = dict(arg.split("=", 1) for arg in sizes)
+    _run_rank(model, output, **{k: v if k == "check" else int(v) for k, v in named.items()})
