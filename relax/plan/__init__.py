@@ -23,12 +23,14 @@ ACCURACY_NOTE = ("memory estimates follow docs/plan.md; expect them within about
                  "framework buffers of 1-3 GiB per GPU are not included)")
 
 
-def _sharding(spec: RunSpec, backend: str) -> str:
+def _trainer_trait(backend: str, name: str, default: str) -> str:
+    """A memory-relevant class attribute of a trainer backend (``memory_sharding``,
+    ``pipeline_schedule``), or ``default`` when the backend does not say or cannot be loaded."""
     try:
         cls = get_registry().load(PluginKind.trainer, backend)
     except PluginError:
-        return "none"
-    return getattr(cls, "memory_sharding", "none")
+        return default
+    return getattr(cls, name, default)
 
 
 def judge_memory(spec: RunSpec, base_dir: Path) -> tuple[list[MemoryItem], list[str]]:
@@ -72,8 +74,9 @@ def _instance_items(inst: RoleInstance, spec: RunSpec, arch: ModelArchitecture,
                 cache[inst.role] = []
             else:
                 dp = max(1, role.gpus // role.parallel.model_parallel)
-                cache[inst.role] = trained_role_memory(inst.role, role, spec, arch,
-                                                       _sharding(spec, role.backend), dp)
+                cache[inst.role] = trained_role_memory(
+                    inst.role, role, spec, arch, _trainer_trait(role.backend, "memory_sharding", "none"), dp,
+                    _trainer_trait(role.backend, "pipeline_schedule", "1f1b"))
     return cache[inst.role]
 
 

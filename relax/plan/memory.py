@@ -12,7 +12,8 @@ The accounting (documented with its error bars in ``docs/plan.md``):
 - Activations per layer with flash attention: s x b x h x (10 + 24 / tp) bytes at 2-byte precision
   (Korthikanti et al. 2022, without the attention-score term), for s tokens (sequence / cp) and a
   micro-batch of b; 1F1B pipelining keeps pp micro-batches in flight on the first stage, so the
-  first stage holds about all L layers' worth. Gradient checkpointing keeps 2 x s x b x h bytes per
+  first stage holds about all L layers' worth. A backend whose ``pipeline_schedule`` is
+  ``fill-drain`` (GPipe) keeps every micro-batch of a mini-batch: m x L / pp layers' worth. Gradient checkpointing keeps 2 x s x b x h bytes per
   layer plus one full layer.
 - Log-probs need the logits in float32: b x s x vocab / tp x 4 bytes, doubled in training (their
   gradient).
@@ -59,9 +60,10 @@ def sequence_tokens(spec: RunSpec) -> int:
 
 def trained_role_memory(
     name: str, role: ForwardRole, spec: RunSpec, arch: ModelArchitecture, sharding: str,
-    data_parallel: int,
+    data_parallel: int, schedule: str = "1f1b",
 ) -> list[MemoryItem]:
-    """Per-GPU memory of one rank of a trained (or forward-only) role."""
+    """Per-GPU memory of one rank of a trained (or forward-only) role; ``schedule`` is the
+    backend's pipeline schedule (``1f1b`` or ``fill-drain``)."""
     par = role.parallel
     width = DTYPE_BYTES[spec.model.dtype]
     params = params_per_gpu(arch, par.tp, par.pp, par.ep)
@@ -79,16 +81,27 @@ def trained_role_memory(
     batch = role.micro_batch_size
     scale = width / 2  # the activation formula is for 2-byte activations
     per_layer = seq * batch * arch.hidden_size * (10 + 24 / par.tp) * scale
+    # Layers' worth of activations alive on the first stage: L (1F1B keeps pp micro-batches of
+    # L / pp layers in flight; no pipeline keeps one of L), or every micro-batch of an update.
+    in_flight = arch.num_layers
+    if par.pp > 1 and schedule == "fill-drain":
+        in_flight = micro_batches_per_update(spec, role, dp) * arch.num_layers / par.pp
     if not trains:
         activations = per_layer  # forward only: one layer's tensors are alive at a time
     elif isinstance(role, TrainRole) and role.gradient_checkpointing:
-        activations = arch.num_layers * 2 * seq * batch * arch.hidden_size * scale + per_layer
+        activations = in_flight * 2 * seq * batch * arch.hidden_size * scale + per_layer
     else:
-        activations = arch.num_layers * per_layer
+        activations = in_flight * per_layer
     logits = batch * seq * arch.vocab_size / par.tp * 4 * (2 if trains else 1)
     items.append(MemoryItem(role=name, what="activations", gib=gib(activations), transient=True))
     items.append(MemoryItem(role=name, what="logits", gib=gib(logits), transient=True))
     return items
+
+
+def micro_batches_per_update(spec: RunSpec, role: ForwardRole, data_parallel: int) -> int:
+    """Micro-batches one data-parallel rank runs per optimizer update."""
+    rows = spec.algorithm.prompts_per_step * spec.algorithm.samples_per_prompt / max(1, data_parallel)
+    return max(1, math.ceil(rows / spec.algorithm.updates_per_step / role.micro_batch_size))
 
 
 def rollout_memory(spec: RunSpec, arch: ModelArchitecture) -> list[MemoryItem]:

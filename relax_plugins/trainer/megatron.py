@@ -116,6 +116,9 @@ class MegatronTrainer:
     #: expert-parallel share of the experts) and its own optimizer state (no distributed optimizer
     #: yet); the planner divides by tp x pp (and ep for experts) only.
     memory_sharding: ClassVar[str] = "none"
+    #: Under pp the first stage holds the activations of every micro-batch of a mini-batch (the
+    #: fill-drain schedule, not 1F1B's pp in flight); the planner's estimate follows it.
+    pipeline_schedule: ClassVar[str] = "fill-drain"
 
     class Config(TrainerConfig):
         """Options of the Megatron train backend."""

@@ -10,7 +10,7 @@ import pytest
 
 from relax.config import load_spec_dict
 from relax.plan import make_plan, render
-from relax.plan.memory import GIB, params_per_gpu, rollout_memory
+from relax.plan.memory import GIB, params_per_gpu, rollout_memory, trained_role_memory
 from relax.plan.placement import plan_placement
 from relax.spec import RunSpec, SpecError, validate_spec
 from relax.spec.architecture import load_card
@@ -151,6 +151,25 @@ def test_dense_memory_matches_a_hand_computation() -> None:
     assert kv["kv_cache"] == pytest.approx(128 * 2560 * 147_456 / GIB, abs=1e-3)
 
 
+def test_a_fill_drain_pipeline_holds_every_micro_batch_of_an_update() -> None:
+    """megatron's pp runs a fill-drain schedule (``pipeline_schedule``): the first stage keeps the
+    activations of all m micro-batches of an update, m x L/pp layers, where 1F1B keeps about L."""
+    common = ("roles.actor.gpus=4", "roles.actor.parallel.pp=2", "algorithm.updates_per_step=4")
+    spec, plan = plan_of("qwen3-4b-grpo-async", *common, "roles.actor.backend=megatron")
+    megatron = next(i.gib for d in plan.memory for i in d.items if i.role == "actor" and i.what == "activations")
+    arch = load_card("Qwen/Qwen3-4B")
+    one_f_one_b = next(i.gib for i in trained_role_memory("actor", spec.roles.actor, spec, arch, "none", 2, "1f1b")
+                       if i.what == "activations")
+
+    # 64 prompts x 8 samples over dp = 4 GPUs / pp 2 = 2 ranks, 4 updates: 64 rows, m = 32 micro-batches
+    # of 2 per update; checkpointed, 2 x s x b x h per layer and micro-batch (plus one full layer,
+    # s x b x h x 34), s = 2560, b = 2, h = 2560; 36 layers / 2 stages.
+    s, b, h = 2560, 2, 2560
+    full_layer = s * b * h * 34
+    assert megatron == pytest.approx((32 * 18 * 2 * s * b * h + full_layer) / GIB, abs=1e-3)
+    assert one_f_one_b == pytest.approx((36 * 2 * s * b * h + full_layer) / GIB, abs=1e-3)
+
+
 def test_moe_memory_matches_a_hand_computation() -> None:
     # Qwen3-30B-A3B: attention 2048x4096 + 2x2048x512 + 4096x2048 = 18,874,368; experts
     # 128 x 3 x 2048 x 768 = 603,979,776; router 2048 x 128 = 262,144; norms 4,096 ->
@@ -257,3 +276,4 @@ def test_plan_schema_is_current() -> None:
 
     checked_in = Path(__file__).parents[2] / "schemas" / "plan.schema.json"
     assert json.loads(checked_in.read_text()) == Plan.model_json_schema()
+
