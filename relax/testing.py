@@ -60,6 +60,25 @@ def tiny_run(out_dir: Path, name: str, *overrides: str, resume: bool = False,
     return code, rows, out.getvalue()
 
 
+def sample_train_batch(rows: int = 7, vocab: int = 99, seed: int = 0) -> Any:
+    """A fixed ``TrainBatch`` for checking a trainer backend: ragged prompts and responses (left and
+    right padding, varied lengths) of token ids in ``[3, vocab)``, behaviour log-probs and
+    advantages, all drawn from ``seed``. 99 is the vocabulary of ``builtin:tiny-lm``."""
+    import torch
+
+    from relax.algo.batch import collate
+    from relax.contracts import Generation
+
+    g = torch.Generator().manual_seed(seed)
+    gens = []
+    for i in range(rows):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        response = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        logprobs = (-torch.rand(len(response), generator=g) * 5).tolist()
+        gens.append(Generation(i, prompt, response, logprobs, ""))
+    return collate(gens, torch.randn(rows, generator=g), pad_token_id=0)
+
+
 #: Overrides of the fault-tolerance tests and ``bench/chaos.py``: the tiny preset in separate mode,
 #: a checkpoint every 2 steps, traces on, and timeouts short enough to see recoveries in seconds.
 FAULT_TEST_OVERRIDES = ("placement.mode=separate", "async_policy.max_staleness=1", "trainer.checkpoint_every=2",

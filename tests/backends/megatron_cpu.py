@@ -21,6 +21,8 @@ through the runtime installs them in every Ray worker with
 
 from __future__ import annotations
 
+from relax.testing import sample_train_batch as sample_batch  # the harness's fixed batch (re-exported)
+
 WORKER_SETUP = "tests.backends.megatron_cpu.install_cpu_shims"
 """The ``RELAX_WORKER_SETUP`` value that installs these shims in every Ray worker of a run."""
 
@@ -89,23 +91,6 @@ def build_trainer(cls, spec, model_path: str, loss=None):
     context = BackendContext(spec=spec, role="actor", model_path=model_path, seed=0,
                              loss=loss if loss is not None else build_loss(spec))
     return cls(cls.Config(), context)
-
-
-def sample_batch(rows: int = 7, vocab: int = 99, seed: int = 0):
-    """A fixed batch of ragged prompts and responses (left and right padding, varied lengths)."""
-    import torch
-
-    from relax.algo.batch import collate
-    from relax.contracts import Generation
-
-    g = torch.Generator().manual_seed(seed)
-    gens = []
-    for i in range(rows):
-        prompt = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        response = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        logprobs = (-torch.rand(len(response), generator=g) * 5).tolist()
-        gens.append(Generation(i, prompt, response, logprobs, ""))
-    return collate(gens, torch.randn(rows, generator=g), pad_token_id=0)
 
 
 def data_parallel_share(batch, trainer):

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from relax import testing
-from relax.runtime.components import build_loss, build_trainer, materialize_model
+from relax.runtime.components import build_trainer, materialize_model
 from relax.runtime.ranks import RankedTrainer, RankPlacement
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -31,20 +31,6 @@ def fake_gpus():
 def spec_and_model(tmp_path: Path, *overrides: str):
     spec, _, base = testing.tiny_spec(tmp_path, "ranks", f"algorithm.updates_per_step={UPDATES}", *overrides)
     return spec, materialize_model(spec, base)
-
-
-def sample_batch(rows: int = 12, vocab: int = 60, seed: int = 0):
-    """Ragged prompts and responses with advantages (left and right padding, varied lengths)."""
-    from relax.algo.batch import collate
-    from relax.contracts import Generation
-
-    g = torch.Generator().manual_seed(seed)
-    gens = []
-    for i in range(rows):
-        prompt = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-        response = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        gens.append(Generation(i, prompt, response, (-torch.rand(len(response), generator=g) * 3).tolist(), ""))
-    return collate(gens, torch.randn(rows, generator=g), pad_token_id=0)
 
 
 @ray.remote(num_cpus=0, num_gpus=1)
@@ -71,7 +57,7 @@ class Leader:
 
 def test_two_data_parallel_ranks_update_like_one_process(fake_gpus, tmp_path: Path) -> None:
     spec, model_path = spec_and_model(tmp_path)
-    batch = sample_batch()
+    batch = testing.sample_train_batch(rows=12)
     leader = Leader.remote(spec, model_path, 2)
     two = ray.get(leader.probe.remote(batch), timeout=300)
     assert two["world"] == 2 and two["backend"] == "gloo"
@@ -108,7 +94,7 @@ def test_a_batch_smaller_than_the_data_parallel_size_is_refused(fake_gpus, tmp_p
     spec, model_path = spec_and_model(tmp_path)
     leader = Leader.remote(spec, model_path, 2)
     with pytest.raises(ray.exceptions.RayTaskError, match="1 rows cannot be split over 2 data-parallel ranks"):
-        ray.get(leader.probe.remote(sample_batch(rows=1)), timeout=300)
+        ray.get(leader.probe.remote(testing.sample_train_batch(rows=1)), timeout=300)
     ray.kill(leader)
 
 
