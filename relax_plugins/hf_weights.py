@@ -43,3 +43,30 @@ def state_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full ``state_dict`` (tied keys included, e.g. ``lm_head.weight``) as detached clones,
     so later optimizer steps do not change what was handed out."""
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+
+def load_stream(model: torch.nn.Module, shapes: dict[str, list[int]], tensors: Any) -> int:
+    """Copy ``(name, tensor)`` pairs into ``model`` in place as they arrive (a weight group's round,
+    one bucket at a time). ``shapes`` are the round's names and shapes, announced before its data:
+    checked first as ``load_state`` checks a state_dict, so a round that does not fit is consumed
+    (the sender's round completes) and refused before any of it is loaded. Returns the count."""
+    targets = model.state_dict(keep_vars=True)
+    missing = set(targets) - set(shapes)
+    for group in shared_groups(model):
+        if any(key in shapes for key in group):
+            missing -= set(group)
+    unexpected = sorted(set(shapes) - set(targets))
+    misshaped = sorted(k for k in set(shapes) & set(targets) if list(targets[k].shape) != list(shapes[k]))
+    if missing or unexpected or misshaped:
+        for _ in tensors:
+            pass
+        raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected "
+                         f"{unexpected[:5]}, wrong shape {misshaped[:5]}; push a full state_dict of the same "
+                         "architecture")
+    count = 0
+    with torch.no_grad():
+        for name, tensor in tensors:
+            targets[name].copy_(tensor)
+            count += 1
+    return count

@@ -81,8 +81,9 @@ class WeightSyncEdge(PlanPart):
 
     source: str
     target: str
-    mechanism: Literal["in-process", "object-store", "nccl-broadcast", "cuda-ipc"]
-    """How the bytes move: same process, Ray object store (CPU), NCCL, or CUDA IPC (shared GPUs)."""
+    mechanism: Literal["in-process", "object-store", "nccl-broadcast", "gloo-broadcast", "cuda-ipc"]
+    """How the bytes move: same process, Ray object store, a weight group's broadcast (NCCL on GPUs,
+    gloo on CPU: ``roles.rollout.weight_sync``), or CUDA IPC (shared GPUs)."""
 
 
 class StalenessWindow(PlanPart):

@@ -38,16 +38,21 @@ def weight_sync_edges(spec: RunSpec) -> list[WeightSyncEdge]:
 
     The reference policy is frozen, so it gets no edge.
     """
+    from relax.spec.rules import weight_sync
+
     on_gpu = spec.roles.actor.gpus > 0
     mode = spec.placement.mode
     if mode == "colocate":
         mechanism = "cuda-ipc" if on_gpu else "in-process"
+    elif weight_sync(spec) == "collective":  # roles.rollout.weight_sync, resolved
+        mechanism = "nccl-broadcast" if on_gpu else "gloo-broadcast"
     else:
-        mechanism = "nccl-broadcast" if on_gpu else "object-store"
+        mechanism = "object-store"
     edges = [WeightSyncEdge(source="actor", target="rollout", mechanism=mechanism)]
     if spec.roles.actor_fwd is not None:
         shared = mode in ("colocate", "hybrid")
-        fwd = ("cuda-ipc" if on_gpu else "in-process") if shared else mechanism
+        # An actor_fwd of its own loads each version from the object store (relax.runtime.workers).
+        fwd = ("cuda-ipc" if on_gpu else "in-process") if shared else "object-store"
         edges.append(WeightSyncEdge(source="actor", target="actor_fwd", mechanism=fwd))
     return edges
 

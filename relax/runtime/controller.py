@@ -229,7 +229,9 @@ class Controller:
 
         from relax.runtime.workers import RoleWorker
 
-        slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=2).remote(
+        # Threads: run, ready/close, and one weight send per rollout replica (collective weight sync).
+        threads = 2 + self.run_spec.roles.rollout.replica_limit
+        slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=threads).remote(
             self.run_spec, str(self.base_dir), self.model_path, slot.host.roles, self.state, self.attempt_start,
             str(self.resume_from_path) if self.resume_from_path else None, slot.host.threads, slot.holder,
             self.carrier, self.spec_hash, self._ranks(slot))

@@ -34,6 +34,7 @@ class RunState:
         self._cond = asyncio.Condition()
         self._version = -1
         self._weights: list[Any] = []
+        self._weight_sender: Any = None
         self._ready: set[tuple[str, str]] = set()
         self._reports: dict[int, dict[str, dict[str, Any]]] = {}
         self._stopped = False
@@ -63,6 +64,15 @@ class RunState:
         """The newest published version once it is at least ``min_version``; None on timeout or stop."""
         ok = await self._wait(lambda: self._version >= min_version, timeout_s)
         return (self._version, self._weights) if ok else None
+
+    async def register_weight_sender(self, worker: Any) -> None:
+        """The actor's worker, which sends weights to rollout replicas over weight groups
+        (``roles.rollout.weight_sync: collective``); a restarted actor registers its new worker."""
+        self._weight_sender = worker
+
+    async def weight_sender(self) -> Any:
+        """The registered weight sender (a ``RoleWorker`` handle), or None."""
+        return self._weight_sender
 
     # -- data-ready signals ---------------------------------------------------------------------
 

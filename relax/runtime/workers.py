@@ -20,6 +20,7 @@ from relax.runtime.checkpoint import restore_rng
 from relax.runtime.health import Heartbeat
 from relax.runtime.loops import (
     AdvantageLoop,
+    CollectiveWeights,
     InProcessWeights,
     ObjectStoreWeights,
     RewardLoop,
@@ -32,6 +33,7 @@ from relax.runtime.loops import (
 from relax.runtime.model_roles import CriticTrainLoop, CriticValueLoop, ForwardLoop
 from relax.runtime.ranks import RankedTrainer
 from relax.spec.models import RunSpec
+from relax.spec.rules import weight_sync
 from relax.telemetry import Telemetry
 
 
@@ -73,9 +75,19 @@ class RoleWorker:
         # Weights go in memory only to a rollout in the actor's own process; everyone else (a
         # rollout or an actor_fwd elsewhere) gets them through the object store.
         shared = InProcessWeights() if {"rollout", "actor"} <= set(roles) else None
+        # roles.rollout.weight_sync collective: the actor's channel keeps the snapshot that
+        # send_weights broadcasts (and still uses the object store for an actor_fwd elsewhere).
+        collective = shared is None and weight_sync(spec) == "collective"
+        self.weight_sender = (CollectiveWeights(self.env, object_store=spec.roles.actor_fwd is not None
+                                                and "actor_fwd" not in roles)
+                              if collective and "actor" in roles else None)
+        if self.weight_sender is not None:  # registered before the first publish
+            state.register_weight_sender.remote(ray.get_runtime_context().current_actor)
         # The actor is built first so it publishes the starting weights before anyone waits.
-        actor = TrainLoop(self.env, shared or ObjectStoreWeights(self.env), start_step, resume) if "actor" in roles else None
-        rollout = RolloutLoop(self.env, shared or ObjectStoreWeights(self.env)) if "rollout" in roles else None
+        actor = (TrainLoop(self.env, shared or self.weight_sender or ObjectStoreWeights(self.env), start_step, resume)
+                 if "actor" in roles else None)
+        incoming = shared or (CollectiveWeights(self.env) if collective else ObjectStoreWeights(self.env))
+        rollout = RolloutLoop(self.env, incoming) if "rollout" in roles else None
         reward = RewardLoop(self.env) if "reward" in roles else None
         advantage = AdvantageLoop(self.env) if "advantage" in roles else None
         reference = ForwardLoop(self.env, "reference", "ref_logprobs") if "reference" in roles else None
@@ -173,3 +185,18 @@ class RoleWorker:
             backend.close()
         self.env.telemetry.shutdown()
         self.env.bus.close()
+
+    def open_weight_group(self, holder: str, receivers: int) -> dict[str, Any]:
+        """A new weight group for rollout replica ``holder`` with ``receivers`` ranks (collective
+        weight sync; the actor's worker only): the address its backend joins."""
+        if self.weight_sender is None:
+            raise RuntimeError(f"worker {self.env.holder} ({'/'.join(self.roles)}) sends no weights; "
+                               "only the actor's worker does, with roles.rollout.weight_sync collective")
+        return self.weight_sender.open(holder, receivers)
+
+    def send_weights(self, holder: str) -> dict[str, Any]:
+        """Broadcast the actor's newest weights over ``holder``'s weight group (runs on a free
+        thread of this worker while its loops go on): the version sent, its bytes and times."""
+        if self.weight_sender is None:
+            raise RuntimeError(f"worker {self.env.holder} ({'/'.join(self.roles)}) sends no weights")
+        return self.weight_sender.send(holder)

@@ -23,6 +23,7 @@ OtlpProtocol = Literal["http", "grpc"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 BadSamplePolicy = Literal["error", "skip"]
 FailurePolicy = Literal["restart", "resume", "stop"]
+WeightSync = Literal["auto", "object_store", "collective"]
 
 #: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
 PluginOptions = dict[str, Any]
@@ -297,6 +298,12 @@ class RolloutRole(Section):
     """Prompts per unit of rollout work: a unit is leased to one replica and generated again whole
     if that replica fails. null: the whole step when one replica runs and the run is not elastic,
     else ``prompts_per_step / max(replicas, max_replicas)`` rounded up."""
+    weight_sync: WeightSync = "auto"
+    """How new policy weights reach the rollout outside colocate mode: ``object_store`` puts the
+    whole state_dict in Ray's object store; ``collective`` has the actor's rank 0 broadcast it to the
+    engine's workers (NCCL on GPUs, gloo on CPU), pulled by each replica when it needs a newer
+    version. auto: collective where the rollout backend can receive collectively and the actor and
+    the rollout are on GPUs, object_store otherwise."""
 
     @property
     def gpus(self) -> int:

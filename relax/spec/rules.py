@@ -546,6 +546,54 @@ def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue
                         f"{algo.prompts_per_step}, or one replica without max_replicas)")
 
 
+def receives_collectively(backend: type | None) -> bool:
+    """Whether a rollout backend class can take weights from a weight group: it has the methods
+    ``join_weight_group(address)`` and ``receive_weights() -> version`` and says how many ranks it
+    joins with (``weight_group_ranks``). Read from the class, so checking imports no engine."""
+    return backend is not None and all(callable(getattr(backend, m, None))
+                                       for m in ("join_weight_group", "receive_weights"))
+
+
+def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
+    """The weight channel of a run outside colocate mode, ``roles.rollout.weight_sync`` resolved:
+    ``auto`` is ``collective`` where the rollout backend receives collectively and the actor and
+    the rollout have GPUs, ``object_store`` otherwise. ``backend`` defaults to the registered class."""
+    rollout = spec.roles.rollout
+    if rollout.weight_sync != "auto":
+        return rollout.weight_sync
+    if spec.placement.mode == "colocate" or not (rollout.gpus_per_replica > 0 and spec.roles.actor.gpus > 0):
+        return "object_store"
+    if backend is None:
+        from relax.registry import get_registry
+
+        try:
+            backend = get_registry().load(PluginKind.rollout, rollout.backend)
+        except PluginError:
+            return "object_store"
+    return "collective" if receives_collectively(backend) else "object_store"
+
+
+def check_weight_sync(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """``collective`` weight sync needs weights to travel (not colocate), a backend that can
+    receive them from a weight group, and a rollout on GPUs when the actor's are (NCCL)."""
+    rollout = spec.roles.rollout
+    if rollout.weight_sync != "collective":
+        return
+    if spec.placement.mode == "colocate":
+        yield SpecIssue("roles.rollout.weight_sync", "collective weight sync, but in colocate mode the rollout "
+                        "shares the actor's process and gets its weights in memory",
+                        "use auto or object_store, or placement.mode: separate or hybrid")
+    if spec.roles.actor.gpus > 0 and rollout.gpus_per_replica == 0:
+        yield SpecIssue("roles.rollout.weight_sync", "collective weight sync from an actor on GPUs broadcasts "
+                        "over NCCL, which a rollout on CPU (gpus_per_replica: 0) cannot join",
+                        "use auto or object_store, or give the rollout GPUs")
+    backend = ctx.plugin(PluginKind.rollout, rollout.backend)
+    if backend is not None and not receives_collectively(backend):
+        yield SpecIssue("roles.rollout.weight_sync", f"rollout backend '{rollout.backend}' cannot receive weights "
+                        "from a weight group (it has no join_weight_group / receive_weights)",
+                        "use auto or object_store, or a backend that can (hf, vllm)")
+
+
 #: Roles holding state that a restart in place would lose, and what that state is.
 STATEFUL_ROLES = {
     "actor": "the policy and optimizer state",
@@ -608,6 +656,7 @@ RULES: tuple[Rule, ...] = (
     check_media_files,
     check_rewards,
     check_rollout_scaling,
+    check_weight_sync,
     check_fault_tolerance,
     check_tracing,
 )

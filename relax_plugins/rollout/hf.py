@@ -27,6 +27,8 @@ class HFRollout:
     #: (``relax_plugins.processing``, shared with the torch trainer).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
+    #: Ranks this backend takes in a weight group (``relax.runtime.weight_group``): one, this process.
+    weight_group_ranks: ClassVar[int] = 1
 
     class Config(BaseModel):
         """Options of the Hugging Face rollout backend."""
@@ -202,6 +204,33 @@ class HFRollout:
 
         load_state(self.model, weights)
         self.version = int(version)
+
+    def join_weight_group(self, address: dict[str, Any]) -> None:
+        """Join a weight group as its rank 1 (the group forms once the sender sends its first round)."""
+        from relax.runtime.weight_group import WeightRecipient
+
+        self.close_weight_group()
+        self._recipient = WeightRecipient(address, 1, who=f"hf rollout ({self.context.model_path})")
+
+    def receive_weights(self) -> int:
+        """Receive one round of the joined weight group straight into the model, bucket by bucket
+        (no second full copy), and record its policy version. Returns the version. A round that does
+        not fit the model is taken off the wire and refused before any of it is loaded."""
+        from relax_plugins.hf_weights import load_stream
+
+        recipient = getattr(self, "_recipient", None)
+        if recipient is None:
+            raise RuntimeError("receive_weights before join_weight_group; join the sender's group first")
+        version, tensors = recipient.receive()
+        load_stream(self.model, recipient.shapes, tensors)
+        self.version = int(version)
+        return self.version
+
+    def close_weight_group(self) -> None:
+        """Leave the weight group, if joined (a later join opens a new one)."""
+        recipient, self._recipient = getattr(self, "_recipient", None), None
+        if recipient is not None:
+            recipient.close()
 
 
 def end_and_pad_ids(tokenizer: Any, model_path: str) -> tuple[int, int]:

@@ -19,8 +19,12 @@ Weights: ``load_weights`` pauses the engine (in-flight requests finish first), s
 ``reload_weights``, then clears the prefix cache and resumes. No pickled code crosses to the engine
 (``VLLM_ALLOW_INSECURE_SERIALIZATION`` stays off). A tied ``lm_head.weight`` is always pushed: vLLM's
 CPU backend keeps a prepacked copy of every linear layer, which is refreshed only for the tensors
-pushed. The transport is the engine's own ZMQ and shared-memory channels on one machine; an NCCL
-broadcast from trainer GPUs (vLLM's ``init_weight_transfer_engine``) is not implemented.
+pushed. The transport is the engine's own ZMQ and shared-memory channels on one machine.
+
+With ``roles.rollout.weight_sync: collective`` the weights instead come over a weight group
+(``relax.runtime.weight_group``): ``join_weight_group`` has each worker join as rank 1 + its rank,
+``receive_weights`` pauses the engine, has every worker receive the trainer's broadcast (NCCL on
+GPUs, gloo on CPU) and load it bucket by bucket, then clears the prefix cache and resumes.
 
 Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
 requests are queued while the scheduler is paused and released together, so the same weights,
@@ -358,6 +362,47 @@ class VLLMRollout:
             await engine.reset_prefix_cache()
         finally:
             await engine.resume_generation()
+
+    # -- weights through a weight group (roles.rollout.weight_sync: collective) -------------------
+
+    @property
+    def weight_group_ranks(self) -> int:
+        """Ranks this engine takes in a weight group: one per worker (tp x pp)."""
+        par = self.context.spec.roles.rollout.parallel
+        return int(par.tp * par.pp)
+
+    def join_weight_group(self, address: dict[str, Any]) -> None:
+        """Have every worker join the weight group at ``address`` (``relax.runtime.weight_group``)
+        as rank 1 + its own rank; the group forms on the first ``receive_weights``."""
+        shapes = {k: list(v) for k, v in self.weight_shapes.items()}
+        with self._lock:
+            ranks = self._call(self.engine.collective_rpc("relax_join_weight_group",
+                                                          args=(dict(address), shapes, self.tied)))
+        if sorted(ranks) != list(range(1, self.weight_group_ranks + 1)):
+            raise RuntimeError(f"vLLM's workers joined the weight group as ranks {ranks}, expected 1.."
+                               f"{self.weight_group_ranks}")
+
+    def receive_weights(self) -> int:
+        """Receive one round of the joined weight group into the engine, paused around it (in-flight
+        requests finish first), the prefix cache cleared after it; record and return its version."""
+        with self._lock:
+            version = self._call(self._receive())
+        self.version = version
+        return version
+
+    async def _receive(self) -> int:
+        engine = self.engine
+        await engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            results = await engine.collective_rpc("relax_receive_weights")
+            versions = {int(version) for version, _ in results}
+            if len(versions) != 1 or any(count != len(self.weight_shapes) for _, count in results):
+                raise RuntimeError(f"vLLM's workers received [version, tensors] {results}; expected one version "
+                                   f"and {len(self.weight_shapes)} tensors each")
+            await engine.reset_prefix_cache()
+        finally:
+            await engine.resume_generation()
+        return versions.pop()
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -277,3 +277,9 @@ def test_plan_schema_is_current() -> None:
     checked_in = Path(__file__).parents[2] / "schemas" / "plan.schema.json"
     assert json.loads(checked_in.read_text()) == Plan.model_json_schema()
 
+
+def test_the_weight_sync_edge_follows_roles_rollout_weight_sync() -> None:
+    _, tiny = plan_of("tiny-cpu", "roles.rollout.weight_sync=collective")
+    assert [(e.source, e.target, e.mechanism) for e in tiny.weight_sync] == [("actor", "rollout", "gloo-broadcast")]
+    _, hybrid = plan_of("qwen3-4b-grpo-hybrid", "roles.rollout.weight_sync=object_store")
+    assert hybrid.weight_sync[0].mechanism == "object-store"
