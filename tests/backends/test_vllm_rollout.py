@@ -8,8 +8,6 @@ since an engine takes 15 s or more to start on a CPU.
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
 import pytest
@@ -320,59 +318,36 @@ def test_options_the_engine_rejects_are_reported(tiny_model_path):
 # -- end to end ------------------------------------------------------------------------------------
 
 
-def test_tiny_preset_trains_through_the_runtime(tmp_path: Path):
-    import ray
+#: The tiny preset with the vllm rollout (a short warm-up, a small KV cache) in separate mode.
+VLLM_RUN = ("model.options={warmup_steps: 60}", "roles.rollout.backend=vllm", "roles.rollout.options={kv_cache_gib: 0.25}",
+            "placement.mode=separate")
 
-    from relax.config import load_spec_dict
-    from relax.plan import make_plan
-    from relax.runtime.launch import run_spec
 
-    raw, base = load_spec_dict("tiny-cpu", [
-        "name=vllm-e2e", f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "tracing.exporter=none",
-        "model.options={warmup_steps: 60}", "roles.rollout.backend=vllm",
-        "roles.rollout.options={kv_cache_gib: 0.25}", "placement.mode=separate", "async_policy.max_staleness=1",
-    ])
-    spec = validate_spec(raw, base_dir=base)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        code = run_spec(spec, make_plan(spec, base_dir=base), base_dir=base, stream=io.StringIO())
-    finally:
-        ray.shutdown()
-    assert code == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def vllm_run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    """Three steps of the tiny preset with the vllm rollout through ``relax run`` on a fresh local
+    Ray; its metrics rows, once checked that every step trained."""
+    from relax import testing
+
+    with testing.local_ray():
+        code, rows, printed = testing.tiny_run(tmp_path, name, *VLLM_RUN, *overrides)
+    assert code == 0, printed
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("train/loss" in r and r["train/grad_norm"] > 0 for r in rows)
+    return rows
+
+
+def test_tiny_preset_trains_through_the_runtime(tmp_path: Path):
+    rows = vllm_run(tmp_path, "vllm-e2e", "async_policy.max_staleness=1")
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     assert all(r["throughput/tokens_per_s"] > 0 for r in rows)
     assert max(r["staleness/max"] for r in rows) <= 1
-    assert all("train/loss" in r and r["train/grad_norm"] > 0 for r in rows)
 
 
 def test_tiny_preset_trains_with_collective_weight_sync(tmp_path: Path):
     """On-policy (a sync before every step but the first): vLLM's worker pulls each version from
     the actor's worker over a gloo weight group, inside the real runtime."""
-    import ray
-
-    from relax.config import load_spec_dict
-    from relax.plan import make_plan
-    from relax.runtime.launch import run_spec
-
-    raw, base = load_spec_dict("tiny-cpu", [
-        "name=vllm-collective", f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3",
-        "tracing.exporter=none", "model.options={warmup_steps: 60}", "roles.rollout.backend=vllm",
-        "roles.rollout.options={kv_cache_gib: 0.25}", "placement.mode=separate", "async_policy.max_staleness=0",
-        "roles.rollout.weight_sync=collective",
-    ])
-    spec = validate_spec(raw, base_dir=base)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        code = run_spec(spec, make_plan(spec, base_dir=base), base_dir=base, stream=io.StringIO())
-    finally:
-        ray.shutdown()
-    assert code == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = vllm_run(tmp_path, "vllm-collective", "async_policy.max_staleness=0", "roles.rollout.weight_sync=collective")
     assert [r["policy_version/rollout"] for r in rows] == [0, 1, 2]
     assert all(r["time/weight_sync_s"] > 0 for r in rows[1:])
-    assert all("train/loss" in r and r["train/grad_norm"] > 0 for r in rows)
     print("\nweight sync s per step:", [round(r["time/weight_sync_s"], 4) for r in rows],
           "step s:", [round(r["time/step_s"], 3) for r in rows])
