@@ -25,10 +25,12 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
-    """The fault-tolerance lane (about 8 minutes): live runs whose workers are killed, frozen,
-    scaled and whose node is lost, in the default environment."""
+    """The fault-tolerance lane (about 10 minutes): live runs whose workers or ranks are killed,
+    frozen, scaled (also with collective weight sync) and whose node is lost, in the default
+    environment."""
     # a later -m overrides the `-m 'not ... faults'` of pyproject's addopts
-    session.run("python", "-m", "pytest", "-m", "faults", "tests/runtime/test_faults.py", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "faults", "tests/runtime/test_faults.py",
+                "tests/runtime/test_weight_sync_run.py", *session.posargs)
 
 
 @nox.session(python="3.11")

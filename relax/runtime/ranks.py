@@ -46,14 +46,13 @@ class RankPlacement:
 
 
 def join_group(rank: int, world: int, host: str, port: int, timeout_s: float, store: Any = None) -> None:
-    """Join the role's default process group (the caller's store when it hosts it). ``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and ``LOCAL_RANK`` are set too, for backends
-    that read them; ``LOCAL_RANK`` is 0 because Ray shows each process only its own GPU."""
+    """Join the role's default process group (the caller's store when it hosts it). Backends find
+    it initialised, so none reads ``RANK``/``WORLD_SIZE``/``MASTER_*``; they are not set, so that
+    they cannot leak into a colocated inference engine's own processes (vLLM spawns them from this
+    one). A rank's GPU is ``cuda:0``: Ray shows each process only its own."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": host,
-                       "MASTER_PORT": str(port), "LOCAL_RANK": "0"})
     timeout = datetime.timedelta(seconds=timeout_s)
     device = role_device()
     if device == "cuda":
