@@ -45,6 +45,17 @@ def state_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
+def shape_mismatch(got: dict[str, list[int]], expected: dict[str, list[int]]) -> str:
+    """What differs between the names and shapes of some weights and a model's (empty when nothing
+    does): the message every weight push refuses with, before it loads anything."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    misshaped = sorted(k for k in set(got) & set(expected) if list(got[k]) != list(expected[k]))
+    if not (missing or unexpected or misshaped):
+        return ""
+    return (f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape "
+            f"{misshaped[:5]}; push a full state_dict of the same architecture")
+
 
 def load_stream(model: torch.nn.Module, shapes: dict[str, list[int]], tensors: Any) -> int:
     """Copy ``(name, tensor)`` pairs into ``model`` in place as they arrive (a weight group's round,
@@ -52,18 +63,17 @@ def load_stream(model: torch.nn.Module, shapes: dict[str, list[int]], tensors: A
     checked first as ``load_state`` checks a state_dict, so a round that does not fit is consumed
     (the sender's round completes) and refused before any of it is loaded. Returns the count."""
     targets = model.state_dict(keep_vars=True)
-    missing = set(targets) - set(shapes)
-    for group in shared_groups(model):
+    expected = {key: list(tensor.shape) for key, tensor in targets.items()}
+    for group in shared_groups(model):  # a tied key may be absent when another of its group is sent
         if any(key in shapes for key in group):
-            missing -= set(group)
-    unexpected = sorted(set(shapes) - set(targets))
-    misshaped = sorted(k for k in set(shapes) & set(targets) if list(targets[k].shape) != list(shapes[k]))
-    if missing or unexpected or misshaped:
-        for _ in tensors:
+            for key in group:
+                if key not in shapes:
+                    expected.pop(key)
+    problem = shape_mismatch(shapes, expected)
+    if problem:
+        for _ in tensors:  # drain: the sender's round completes
             pass
-        raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected "
-                         f"{unexpected[:5]}, wrong shape {misshaped[:5]}; push a full state_dict of the same "
-                         "architecture")
+        raise ValueError(problem)
     count = 0
     with torch.no_grad():
         for name, tensor in tensors:

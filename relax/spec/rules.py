@@ -548,8 +548,9 @@ def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue
 
 def receives_collectively(backend: type | None) -> bool:
     """Whether a rollout backend class can take weights from a weight group: it has the methods
-    ``join_weight_group(address)`` and ``receive_weights() -> version`` and says how many ranks it
-    joins with (``weight_group_ranks``). Read from the class, so checking imports no engine."""
+    ``join_weight_group(address)`` and ``receive_weights() -> version`` (the runtime also reads how
+    many ranks it joins with, ``weight_group_ranks``). Read from the class, so checking imports no
+    engine."""
     return backend is not None and all(callable(getattr(backend, m, None))
                                        for m in ("join_weight_group", "receive_weights"))
 

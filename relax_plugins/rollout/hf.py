@@ -83,6 +83,8 @@ class HFRollout:
         self.stop_token_ids = [self.eos_token_id] + [int(t) for t in declared if int(t) != self.eos_token_id]
         self.version = 0
         """The policy version of the weights held (0: the initial weights)."""
+        self._recipient: Any = None
+        """This rollout's end of a weight group, once joined (``roles.rollout.weight_sync: collective``)."""
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -218,7 +220,7 @@ class HFRollout:
         not fit the model is taken off the wire and refused before any of it is loaded."""
         from relax_plugins.hf_weights import load_stream
 
-        recipient = getattr(self, "_recipient", None)
+        recipient = self._recipient
         if recipient is None:
             raise RuntimeError("receive_weights before join_weight_group; join the sender's group first")
         version, tensors = recipient.receive()
@@ -228,7 +230,7 @@ class HFRollout:
 
     def close_weight_group(self) -> None:
         """Leave the weight group, if joined (a later join opens a new one)."""
-        recipient, self._recipient = getattr(self, "_recipient", None), None
+        recipient, self._recipient = self._recipient, None
         if recipient is not None:
             recipient.close()
 

@@ -343,14 +343,11 @@ class VLLMRollout:
     def _check_weights(self, weights: dict[str, Any]) -> None:
         """Names and shapes must be those of the model's checkpoint: vLLM would otherwise fail
         half-way and leave the engine partly updated."""
-        missing = sorted(set(self.weight_shapes) - set(weights))
-        unexpected = sorted(set(weights) - set(self.weight_shapes))
-        misshaped = sorted(k for k in set(weights) & set(self.weight_shapes)
-                           if list(weights[k].shape) != self.weight_shapes[k])
-        if missing or unexpected or misshaped:
-            raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected "
-                             f"{unexpected[:5]}, wrong shape {misshaped[:5]}; push a full state_dict of the "
-                             "same architecture")
+        from relax_plugins.hf_weights import shape_mismatch
+
+        problem = shape_mismatch({k: list(v.shape) for k, v in weights.items()}, self.weight_shapes)
+        if problem:
+            raise ValueError(problem)
 
     async def _push(self, packed: list[Any]) -> None:
         engine = self.engine

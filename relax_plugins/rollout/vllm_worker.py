@@ -81,6 +81,8 @@ class WeightReceiver:
         ``reload_weights``. A round whose names or shapes differ from the checkpoint's is taken off
         the wire (so the sender's round completes) and refused before any of it is loaded.
         Returns ``[policy version, tensors loaded]``."""
+        from relax_plugins.hf_weights import shape_mismatch
+
         recipient = getattr(self, "_relax_recipient", None)
         if recipient is None:
             raise RuntimeError("relax_receive_weights before relax_join_weight_group")
@@ -107,13 +109,3 @@ class WeightReceiver:
         self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
         return [int(version), loaded[0]]
 
-
-def shape_mismatch(got: dict[str, list[int]], expected: dict[str, list[int]]) -> str:
-    """What differs between a round's tensors and the checkpoint's (empty when nothing does)."""
-    missing = sorted(set(expected) - set(got))
-    unexpected = sorted(set(got) - set(expected))
-    misshaped = sorted(k for k in set(got) & set(expected) if list(got[k]) != list(expected[k]))
-    if not (missing or unexpected or misshaped):
-        return ""
-    return (f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape "
-            f"{misshaped[:5]}; push a full state_dict of the same architecture")
