@@ -11,7 +11,6 @@ from typing import Any
 
 from relax.plan.model import Plan
 from relax.runtime.checkpoint import latest_checkpoint
-from relax.runtime.hosts import OPTIONAL_ROLES, ROLES, plan_hosts, report_names, run_roles  # noqa: F401 (re-exported)
 from relax.spec.models import RunSpec
 
 EXIT_OK, EXIT_RUN_FAILED = 0, 1
