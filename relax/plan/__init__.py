@@ -10,6 +10,7 @@ from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleInstance
 from relax.plan.placement import gpu_fractions, plan_placement
 from relax.plan.render import render
 from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
+from relax.plan.wiring import plan_workers, rollout_work
 from relax.registry import PluginError, get_registry
 from relax.spec.architecture import ModelArchitecture
 from relax.spec.errors import SpecError, SpecIssue
@@ -153,12 +154,15 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
             issues = memory_issues(memory)
             if issues:
                 raise SpecError(issues)
+    workers = plan_workers(spec, instances, base_dir or Path.cwd())
     return Plan(
         run=spec.name, mode=spec.placement.mode, nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
         gpus_used=sum(p.gpu_count for p in pools), model=spec.model.path,
         model_params=arch.params_total() if arch else None,
         rollout_max_replicas=_elastic_limit(spec),
-        pools=pools, instances=instances, bus=bus_fields(spec), weight_sync=weight_sync_edges(spec),
-        staleness=staleness_schedule(spec), memory=memory, notes=notes,
+        pools=pools, instances=instances, bus=bus_fields(workers),
+        weight_sync=weight_sync_edges(workers, on_gpu=spec.roles.actor.gpus > 0),
+        staleness=staleness_schedule(spec), memory=memory, workers=workers, rollout_work=rollout_work(spec),
+        notes=notes,
     )

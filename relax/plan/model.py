@@ -6,7 +6,7 @@ re-derives placement. ``Plan.model_json_schema()`` is checked in as ``schemas/pl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -131,6 +131,112 @@ class DeviceMemory(PlanPart):
     """The GPU's memory from cluster.gpu_memory_gb; None for the host."""
 
 
+class PluginUse(PlanPart):
+    """One plugin a role builds: its kind, its registered name and the options its ``Config``
+    is built from (validated against that ``Config`` when the plan is made)."""
+
+    kind: str
+    """The plugin kind (``relax.<kind>`` entry-point group): rollout, trainer, rewards, ..."""
+    name: str
+    """The registered name within the kind."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """What the plugin's typed ``Config`` is built from, exactly as the worker builds it."""
+
+
+class RewardUse(PlanPart):
+    """One reward of the run, as the scorer weighs and guards it."""
+
+    key: str
+    """The entry's id (per-reward metrics and routing)."""
+    plugin: PluginUse
+    weight: float
+    timeout_s: float | None
+    on_error: str
+    always: bool
+
+
+class RoleWiring(PlanPart):
+    """One role loop in a worker: what it builds, what it reads and writes, how weights reach it."""
+
+    role: str
+    """The role (rollout, reward, advantage, actor, reference, actor_fwd, critic)."""
+    task: str
+    """The loop's name: what it reads the bus as and reports its step under (the role's name, but
+    the critic runs two loops: ``critic_values`` and ``critic``)."""
+    plugins: list[PluginUse] = Field(default_factory=list)
+    """The plugins it builds, in the order it builds them."""
+    rewards: list[RewardUse] = Field(default_factory=list)
+    """The reward role's rewards (empty for other roles)."""
+    reads: list[str] = Field(default_factory=list)
+    """The columns it uses of each step's rows."""
+    takes_from: str | None = None
+    """Where its rows come from: None, the bus (once every column in ``waits_for`` is announced);
+    or the role in the same worker that hands them over in memory (a scorer riding on the rollout,
+    an estimator beside the scorer)."""
+    waits_for: list[str] = Field(default_factory=list)
+    """Columns announced for a step before it reads from the bus (``response``: the rollout's rows
+    are in)."""
+    writes: list[str] = Field(default_factory=list)
+    """The columns it produces. A role that hands its rows on (``hands_to``) passes its columns
+    along; the last of the chain puts or writes them all to the bus."""
+    hands_to: str | None = None
+    """The role in the same worker that gets its rows, and its columns, in memory."""
+    weights_in: str | None = None
+    """How new policy weights reach it (a ``WeightSyncEdge`` mechanism; ``shared``: it reuses the
+    actor's own backend in this process); None: it holds no policy weights."""
+    weights_out: list[str] = Field(default_factory=list)
+    """How it publishes new policy weights (the actor): the mechanisms of its outgoing edges."""
+    reports: list[str] = Field(default_factory=list)
+    """The per-step reports it sends the controller (the critic sends two)."""
+
+
+class WorkerPlan(PlanPart):
+    """One Ray actor process of the run and everything it is built from."""
+
+    holder: str
+    """The worker's name in the run (heartbeats, leases, logs): its roles joined by ``/``, and
+    ``#n`` for the n-th extra rollout replica."""
+    roles: list[RoleWiring]
+    """The role loops it hosts, in the order it runs them each step (data order)."""
+    pool: str
+    """The pool whose bundle it takes."""
+    bundle: int
+    """Its bundle in that pool."""
+    node: int
+    gpus: list[int] = Field(default_factory=list)
+    gpu_fraction: float = 0.0
+    replica: int = 0
+    """0 for the worker that hosts the run's step loops; n > 0 for the n-th extra rollout replica,
+    which only generates (it leases units of rollout work)."""
+    threads: int
+    """Torch threads per process of this worker: the machine's cores shared by the run's model
+    processes (a CPU-only worker gets one)."""
+    ranks: dict[str, list[int]] = Field(default_factory=dict)
+    """Per model role spanning several processes: its instance ranks (0 is this worker, which starts
+    the others on their planned bundles)."""
+
+    def loop(self, task: str) -> RoleWiring | None:
+        """The wiring of the loop named ``task``, if this worker hosts it."""
+        return next((r for r in self.roles if r.task == task), None)
+
+    @property
+    def role_names(self) -> list[str]:
+        """The roles it hosts, each once, in data order."""
+        return list(dict.fromkeys(r.role for r in self.roles))
+
+
+class RolloutWork(PlanPart):
+    """How a step's prompts are cut into units of rollout work (leased to replicas)."""
+
+    unit_prompts: int
+    """Prompts per unit."""
+    units_per_step: int
+    replica_limit: int
+    """The most rollout replicas the run may have (``max_replicas`` or ``replicas``)."""
+    ragged: bool
+    """Several units per step: token columns go on the bus unpadded (their layouts would differ)."""
+
+
 class Plan(PlanPart):
     """Everything ``relax run`` needs to place a run, and ``relax plan`` shows."""
 
@@ -152,6 +258,12 @@ class Plan(PlanPart):
     weight_sync: list[WeightSyncEdge]
     staleness: StalenessSchedule
     memory: list[DeviceMemory]
+    workers: list[WorkerPlan] = Field(default_factory=list)
+    """Every worker process ``relax run`` starts (before any elastic scaling), with the roles it
+    hosts, their plugins and options, the bus columns each reads and writes, and its weight channels:
+    the runtime builds its workers from these and nothing else."""
+    rollout_work: RolloutWork | None = None
+    """How each step's rollout is cut into units of work."""
     notes: list[str] = Field(default_factory=list)
     """Assumptions and caveats of the estimate."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from relax.plan.model import Bundle, Pool, RoleInstance
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import ForwardRole, RunSpec
-from relax.spec.rules import advantage_reads
+from relax.plan.wiring import advantage_reads
 
 CPUS_PER_GPU_BUNDLE = 1.0
 

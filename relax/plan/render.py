@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from relax.plan.model import Plan
+from relax.plan.model import Plan, RoleWiring
 
 
 def _human_params(n: int | None) -> str:
@@ -20,6 +20,25 @@ def _instance_label(role: str, ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"{role}[{ranks[0]}]"
     return f"{role}[{ranks[0]}..{ranks[-1]}]" if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{role}x{len(ranks)}"
+
+
+def _loop_line(loop: RoleWiring) -> str:
+    """One role loop of a worker: its plugins, where its rows come from and where they go."""
+    plugins = [f"{p.kind}:{p.name}" for p in loop.plugins] + [f"rewards:{r.plugin.name}" for r in loop.rewards]
+    parts = [f"{loop.task:<14} {' '.join(plugins) or '-'}"]
+    if loop.takes_from:
+        parts.append(f"reads {','.join(loop.reads)} (from {loop.takes_from} in memory)")
+    elif loop.reads:
+        parts.append(f"reads {','.join(loop.reads)} (bus, after {','.join(loop.waits_for)})")
+    else:
+        parts.append("reads the data set")
+    if loop.writes:
+        parts.append(f"writes {','.join(loop.writes)} ({f'to {loop.hands_to} in memory' if loop.hands_to else 'bus'})")
+    if loop.weights_in:
+        parts.append(f"weights in: {loop.weights_in}")
+    if loop.weights_out:
+        parts.append(f"weights out: {', '.join(loop.weights_out)}")
+    return "; ".join(parts)
 
 
 def render_table(plan: Plan) -> str:
@@ -50,6 +69,14 @@ def render_table(plan: Plan) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in dev.phases.items()) if dev else ""
         device = f"gpu{gpu}" if gpu is not None else "cpu"
         lines.append(f"  {node:>4}  {device:<6}  {roles:<44}  {peak}  {cap}  {phases}")
+    lines += ["", "Workers (one process each; loops in the order they run a step):"]
+    for worker in plan.workers:
+        gpus = f"gpu {','.join(map(str, worker.gpus))}" if worker.gpus else "cpu"
+        ranks = "".join(f"; {role} ranks {len(r)}" for role, r in worker.ranks.items())
+        lines.append(f"  {worker.holder:<28} {worker.pool}[{worker.bundle}] node {worker.node} {gpus}, "
+                     f"{worker.threads} thread(s){ranks}")
+        for loop in worker.roles:
+            lines.append(f"    {_loop_line(loop)}")
     lines += ["", "Bus fields (writer -> readers):"]
     for f in plan.bus:
         lines.append(f"  {f.name:<18} {f.writer} -> {', '.join(f.readers)}")

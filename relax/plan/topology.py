@@ -1,60 +1,46 @@
-"""What flows between roles: bus fields (per ARCHITECTURE.md's role table), weight-sync edges and
-the staleness schedule."""
+"""What flows between roles, read off the workers' wiring (``relax.plan.wiring``): bus fields and
+weight-sync edges; and the staleness schedule."""
 
 from __future__ import annotations
 
-from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge
+from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge, WorkerPlan
+from relax.plan.wiring import MEDIA_COLUMN, ROLLOUT_COLUMNS
 from relax.spec.models import RunSpec
 
-#: Columns the rollout writes for every sample (see relax.runtime.rows for their layout).
-ROLLOUT_FIELDS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
+#: The order in which ``relax plan`` lists the bus columns (data order).
+COLUMN_ORDER = (*ROLLOUT_COLUMNS, MEDIA_COLUMN, "rewards", "ref_logprobs", "old_logprobs", "values", "returns",
+                "advantages")
 
 
-def bus_fields(spec: RunSpec) -> list[BusField]:
-    """Every bus column with its single writer and its readers, for the roles this spec runs."""
-    roles = spec.roles
-    token_readers = ["actor"] + [r for r in ("reference", "actor_fwd", "critic") if getattr(roles, r) is not None]
-    readers = {
-        "prompt": ["reward"], "response": ["reward"], "label": ["reward"],
-        "input_ids": token_readers, "rollout_logprobs": ["actor"], "lengths": token_readers,
-    }
-    fields = [BusField(name=name, writer="rollout", readers=readers[name]) for name in ROLLOUT_FIELDS]
-    if spec.data.media_keys:  # each row's prompt and media references (JSON), never decoded media
-        fields.append(BusField(name="media", writer="rollout", readers=[r for r in token_readers if r != "critic"]))
-    fields.append(BusField(name="rewards", writer="reward", readers=["advantage"]))
-    if roles.reference is not None:
-        fields.append(BusField(name="ref_logprobs", writer="reference", readers=["actor"]))
-    if roles.actor_fwd is not None:
-        fields.append(BusField(name="old_logprobs", writer="actor_fwd", readers=["actor"]))
-    if roles.critic is not None:
-        fields.append(BusField(name="values", writer="critic", readers=["advantage"]))
-        fields.append(BusField(name="returns", writer="advantage", readers=["critic"]))
-    fields.append(BusField(name="advantages", writer="advantage", readers=["actor"]))
-    return fields
+def bus_fields(workers: list[WorkerPlan]) -> list[BusField]:
+    """Every bus column with its single writer and its readers, read off the workers' wiring."""
+    writers: dict[str, str] = {}
+    readers: dict[str, list[str]] = {}
+    for worker in workers:
+        for loop in worker.roles:
+            for column in loop.writes:
+                writers.setdefault(column, loop.role)
+            for column in loop.reads:
+                if loop.role not in readers.setdefault(column, []):
+                    readers[column].append(loop.role)
+    order = {name: i for i, name in enumerate(COLUMN_ORDER)}
+    return [BusField(name=name, writer=writer, readers=[r for r in readers.get(name, []) if r != writer])
+            for name, writer in sorted(writers.items(), key=lambda kv: order.get(kv[0], len(order)))]
 
 
-def weight_sync_edges(spec: RunSpec) -> list[WeightSyncEdge]:
-    """The actor publishes each new policy version to the rollout and to actor_fwd.
-
-    The reference policy is frozen, so it gets no edge.
-    """
-    from relax.spec.rules import weight_sync
-
-    on_gpu = spec.roles.actor.gpus > 0
-    mode = spec.placement.mode
-    if mode == "colocate":
-        mechanism = "cuda-ipc" if on_gpu else "in-process"
-    elif weight_sync(spec) == "collective":  # roles.rollout.weight_sync, resolved
-        mechanism = "nccl-broadcast" if on_gpu else "gloo-broadcast"
-    else:
-        mechanism = "object-store"
-    edges = [WeightSyncEdge(source="actor", target="rollout", mechanism=mechanism)]
-    if spec.roles.actor_fwd is not None:
-        shared = mode in ("colocate", "hybrid")
-        # An actor_fwd of its own loads each version from the object store (relax.runtime.workers).
-        fwd = ("cuda-ipc" if on_gpu else "in-process") if shared else "object-store"
-        edges.append(WeightSyncEdge(source="actor", target="actor_fwd", mechanism=fwd))
-    return edges
+def weight_sync_edges(workers: list[WorkerPlan], on_gpu: bool) -> list[WeightSyncEdge]:
+    """The actor publishes each new policy version to the rollout and to actor_fwd, by the channel
+    each one's wiring names. The reference policy is frozen, so it gets no edge."""
+    in_memory = "cuda-ipc" if on_gpu else "in-process"
+    mechanisms = {"in-process": in_memory, "shared": in_memory, "object-store": "object-store",
+                  "collective": "nccl-broadcast" if on_gpu else "gloo-broadcast"}
+    edges: dict[str, WeightSyncEdge] = {}
+    for worker in workers:
+        for loop in worker.roles:
+            if loop.weights_in is not None and loop.role not in edges:
+                edges[loop.role] = WeightSyncEdge(source="actor", target=loop.role,
+                                                  mechanism=mechanisms[loop.weights_in])
+    return [edges[role] for role in ("rollout", "actor_fwd") if role in edges]
 
 
 def staleness_schedule(spec: RunSpec, shown_steps: int = 4) -> StalenessSchedule:

@@ -1,0 +1,293 @@
+"""The run's wiring: which worker process hosts which role loops, what each builds, reads and
+writes, and how weights travel. ``make_plan`` puts it into the ``Plan``; ``relax run`` builds its
+workers from it and re-derives nothing from the spec, so what ``relax plan`` shows is what runs.
+
+The resolvers here answer the questions the wiring depends on (how a step's rollout is cut into
+units, which weight channel a run uses, which columns of other roles an advantage estimator reads);
+they read the spec and the plugins' declared traits, never a running system. Pure data: no torch,
+no ray.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from relax.contracts import PluginKind
+from relax.plan.model import PluginUse, RewardUse, RoleInstance, RoleWiring, RolloutWork, WorkerPlan
+from relax.registry import PluginError, get_registry
+from relax.spec.models import RunSpec
+from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
+
+#: Columns the rollout writes for every sample: text for the rewards, tokens in the trainer's layout.
+ROLLOUT_COLUMNS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
+#: Columns the actor always reads.
+TRAIN_COLUMNS = ("input_ids", "rollout_logprobs", "lengths", "advantages")
+#: Columns a model role reads to rebuild a sample's tokens.
+TOKEN_COLUMNS = ("input_ids", "lengths")
+#: Per row, a multimodal sample's prompt and media references (JSON); only when the data has media.
+MEDIA_COLUMN = "media"
+#: Not a column: announced once a step's rollout rows are on the bus (what readers of them wait for).
+RESPONSE_READY = "response"
+
+#: Roles every run has, in data order.
+STEP_ROLES = ("rollout", "reward", "advantage", "actor")
+#: Model roles a spec may add (each a block under ``roles``).
+OPTIONAL_ROLES = ("reference", "critic", "actor_fwd")
+MODEL_ROLES = frozenset({"rollout", "actor", *OPTIONAL_ROLES})
+#: Model roles whose planned instances are the ranks of one model (not independent replicas).
+RANKED_ROLES = ("actor", *OPTIONAL_ROLES)
+#: Token columns of other model roles an advantage estimator may read (its ``needs``), and their writer.
+ROLE_COLUMNS = {"values": "critic", "ref_logprobs": "reference"}
+#: The order in which a worker runs its role loops each step (data order).
+LOOP_ORDER = ("rollout", "reward", "reference", "critic_values", "advantage", "actor_fwd", "actor", "critic")
+
+
+# -- resolvers ----------------------------------------------------------------------------------
+
+
+def run_roles(spec: RunSpec) -> list[str]:
+    """The roles of a run, in data order."""
+    return [*STEP_ROLES, *(name for name in OPTIONAL_ROLES if getattr(spec.roles, name) is not None)]
+
+
+def rollout_units(spec: RunSpec) -> tuple[int, int]:
+    """How a step's prompts are cut into units of rollout work: (prompts per unit, units per step).
+
+    A unit is leased to one rollout replica and generated again whole if that replica fails. Unless
+    ``roles.rollout.unit_prompts`` sets it, a unit is the whole step when the run has one replica
+    and is not elastic, else ``prompts_per_step / replica_limit`` rounded up (one unit per replica)."""
+    prompts = spec.algorithm.prompts_per_step
+    limit = spec.roles.rollout.replica_limit
+    unit = spec.roles.rollout.unit_prompts or (prompts if limit == 1 else math.ceil(prompts / limit))
+    return unit, math.ceil(prompts / unit)
+
+
+def _estimator(spec: RunSpec) -> type | None:
+    advantage, _ = advantage_and_loss(spec)
+    if advantage is None:
+        return None
+    try:
+        return get_registry().load(PluginKind.advantages, advantage)
+    except PluginError:
+        return None
+
+
+def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
+    """Columns of other model roles the run's advantage estimator reads: those in its ``needs``
+    (a token-level estimator's trait) whose role is present. When there are any, advantages cannot
+    be computed inside the rollout worker before the batch reaches the bus."""
+    estimator = _estimator(spec)
+    if estimator is None or not getattr(estimator, "token_level", False):
+        return ()
+    needs = getattr(estimator, "needs", frozenset())
+    return tuple(sorted(c for c in needs if getattr(spec.roles, ROLE_COLUMNS.get(c, ""), None) is not None))
+
+
+def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
+    """The weight channel of a run outside colocate mode, ``roles.rollout.weight_sync`` resolved:
+    ``auto`` is ``collective`` where the rollout backend receives collectively and the actor and
+    the rollout have GPUs, ``object_store`` otherwise. ``backend`` defaults to the registered class."""
+    rollout = spec.roles.rollout
+    if rollout.weight_sync != "auto":
+        return rollout.weight_sync
+    if spec.placement.mode == "colocate" or not (rollout.gpus_per_replica > 0 and spec.roles.actor.gpus > 0):
+        return "object_store"
+    if backend is None:
+        try:
+            backend = get_registry().load(PluginKind.rollout, rollout.backend)
+        except PluginError:
+            return "object_store"
+    return "collective" if receives_collectively(backend) else "object_store"
+
+
+def rollout_work(spec: RunSpec) -> RolloutWork:
+    unit, units = rollout_units(spec)
+    return RolloutWork(unit_prompts=unit, units_per_step=units, replica_limit=spec.roles.rollout.replica_limit,
+                       ragged=units > 1)
+
+
+# -- plugins ------------------------------------------------------------------------------------
+
+
+def _use(kind: PluginKind, name: str, options: dict[str, Any]) -> PluginUse:
+    """A plugin with the full options of its typed ``Config`` (defaults filled in), so the plan
+    shows every setting the worker will build it with."""
+    registry = get_registry()
+    try:
+        config = registry.build_config(kind, name, options)
+    except Exception:  # not loadable here (relax plan of a spec for another machine): as written
+        return PluginUse(kind=kind.value, name=name, options=dict(options))
+    dumped = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(options)
+    return PluginUse(kind=kind.value, name=name, options=dumped)
+
+
+def _backend_options(options: dict[str, Any], threads: int) -> dict[str, Any]:
+    """A model backend's options with this worker's torch threads, unless the spec set them."""
+    return {**options, "num_threads": options.get("num_threads") or threads}
+
+
+def _dataset(spec: RunSpec, base_dir: Path) -> PluginUse:
+    """The training data set; a file path is taken relative to the spec's folder."""
+    name, implied = dataset_plugin(spec.data.train.source)
+    options = {**implied, **spec.data.train.options}
+    if "path" in implied and not Path(options["path"]).is_absolute():
+        options["path"] = str(base_dir / options["path"])
+    return _use(PluginKind.datasets, name, options)
+
+
+def _rewards(spec: RunSpec) -> list[RewardUse]:
+    return [RewardUse(key=r.key, plugin=_use(PluginKind.rewards, r.name, r.options), weight=r.weight,
+                      timeout_s=r.timeout_s, on_error=r.on_error, always=r.always) for r in spec.rewards]
+
+
+# -- roles --------------------------------------------------------------------------------------
+
+
+def _media(spec: RunSpec) -> tuple[str, ...]:
+    return (MEDIA_COLUMN,) if spec.data.media_keys else ()
+
+
+def _weights_channel(spec: RunSpec, roles: set[str]) -> str:
+    """How policy weights move between the actor and a rollout: in memory in one process,
+    over a weight group (``collective``), or through Ray's object store."""
+    if {"rollout", "actor"} <= roles:
+        return "in-process"
+    return "collective" if weight_sync(spec) == "collective" else "object-store"
+
+
+class _WorkerWiring:
+    """Builds the role loops of one worker, mirroring how they hand rows to each other."""
+
+    def __init__(self, spec: RunSpec, base_dir: Path, roles: list[str], threads: int, replica: int) -> None:
+        self.spec, self.base_dir, self.roles, self.threads, self.replica = spec, base_dir, set(roles), threads, replica
+
+    def build(self) -> list[RoleWiring]:
+        spec, roles = self.spec, self.roles
+        estimator = _estimator(spec)
+        reads_of_others = advantage_reads(spec)
+        critic = spec.roles.critic is not None
+        wired: dict[str, RoleWiring] = {}
+        # Co-hosted roles hand a step's rows on in memory: the rollout to the scorer riding on it,
+        # the scorer to the advantage estimator beside it; the last of them writes to the bus. The
+        # scorer rides on the rollout only when one replica makes whole steps (with several, a
+        # step's units come from different processes and are scored from the bus). An estimator
+        # that reads columns of the critic or the reference waits for them on the bus instead.
+        scorer_on_rollout = {"rollout", "reward"} <= roles and spec.roles.rollout.replica_limit == 1
+        inline_advantage = {"reward", "advantage"} <= roles and not reads_of_others
+        advantage_tokens = bool(getattr(estimator, "token_level", False)) or critic
+        if "rollout" in roles:
+            role = spec.roles.rollout
+            media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
+            wired["rollout"] = RoleWiring(
+                role="rollout", task="rollout",
+                plugins=[_use(PluginKind.rollout, role.backend, _backend_options(role.options, self.threads)),
+                         _dataset(spec, self.base_dir), *media],
+                writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to="reward" if scorer_on_rollout else None,
+                weights_in=_weights_channel(spec, roles), reports=["rollout"] if self.replica == 0 else [])
+        if "reward" in roles:
+            wired["reward"] = RoleWiring(
+                role="reward", task="reward", rewards=_rewards(spec), reads=["prompt", "response", "label"],
+                takes_from="rollout" if scorer_on_rollout else None,
+                waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=["rewards"],
+                hands_to="advantage" if inline_advantage else None, reports=["reward"])
+        if "reference" in roles:
+            wired["reference"] = self._forward("reference", "ref_logprobs", weights_in=None)
+        if "critic" in roles:
+            trainer = _use(PluginKind.trainer, spec.roles.critic.backend,
+                           _backend_options(spec.roles.critic.options, self.threads))
+            wired["critic_values"] = RoleWiring(role="critic", task="critic_values", plugins=[trainer],
+                                                reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
+                                                writes=["values"], reports=["critic_values"])
+            wired["critic"] = RoleWiring(role="critic", task="critic", reads=[*TOKEN_COLUMNS, "values", "returns"],
+                                         waits_for=["returns"], reports=["critic"])
+        if "advantage" in roles:
+            name, _ = advantage_and_loss(spec)
+            wired["advantage"] = RoleWiring(
+                role="advantage", task="advantage",
+                plugins=[_use(PluginKind.advantages, name, spec.algorithm.advantage_options)],
+                reads=["rewards", *(["input_ids", "rollout_logprobs", "lengths"] if advantage_tokens else []),
+                       *reads_of_others],
+                takes_from="reward" if inline_advantage else None,
+                waits_for=[] if inline_advantage else ["rewards", *reads_of_others],
+                writes=["advantages", *(["returns"] if critic else [])], reports=["advantage"])
+        if "actor_fwd" in roles:
+            wired["actor_fwd"] = self._forward("actor_fwd", "old_logprobs",
+                                               weights_in="shared" if "actor" in roles else "object-store")
+        if "actor" in roles:
+            optional = [c for c, r in (("ref_logprobs", "reference"), ("old_logprobs", "actor_fwd"))
+                        if getattr(spec.roles, r) is not None]
+            _, loss = advantage_and_loss(spec)
+            out = _weights_channel(spec, roles)
+            outgoing = [out]
+            if spec.roles.actor_fwd is not None and "actor_fwd" not in roles and out != "object-store":
+                outgoing.append("object-store")  # an actor_fwd elsewhere loads each version from there
+            wired["actor"] = RoleWiring(
+                role="actor", task="actor",
+                plugins=[_use(PluginKind.trainer, spec.roles.actor.backend,
+                              _backend_options(spec.roles.actor.options, self.threads)),
+                         _use(PluginKind.losses, loss, spec.algorithm.loss_options)],
+                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=["advantages", *optional],
+                weights_out=outgoing, reports=["actor"])
+        return [wired[name] for name in LOOP_ORDER if name in wired]
+
+    def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
+        block = getattr(self.spec.roles, role)
+        shared = weights_in == "shared"
+        plugins = [] if shared else [_use(PluginKind.trainer, block.backend,
+                                          _backend_options(block.options, self.threads))]
+        return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec)],
+                          waits_for=[RESPONSE_READY], writes=[column], weights_in=weights_in, reports=[role])
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+def holder_name(roles: list[str], replica: int = 0) -> str:
+    """A worker's name in the run: its roles, and the replica number of an extra rollout replica."""
+    return "/".join(roles) + (f"#{replica}" if replica else "")
+
+
+def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
+                 cores: int | None = None) -> list[WorkerPlan]:
+    """One worker process per planned bundle: roles whose first instances share a bundle share a
+    process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
+    advantage) and hand data to each other in memory. A model role with several ranks is hosted by
+    the worker of its rank 0, which starts the other ranks itself; each rollout instance past the
+    first is a process of its own that only generates.
+
+    ``cores`` (default: this machine's) is shared out as torch threads between the model processes."""
+    cores = cores or os.cpu_count() or 2
+    roles = run_roles(spec)
+
+    def of(role: str) -> list[RoleInstance]:
+        return [i for i in instances if i.role == role]
+
+    by_bundle: dict[tuple[str, int], list[RoleInstance]] = {}
+    for role in roles:
+        first = of(role)[0]
+        by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
+    replicas = of("rollout")[1:]
+    extra_ranks = sum(len(of(role)) - 1 for role in RANKED_ROLES if role in roles)
+    model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
+                       + len(replicas) + extra_ranks)
+    threads = max(1, cores // model_processes)
+    workers = []
+    for group in by_bundle.values():
+        names = [i.role for i in group]
+        anchor = next((i for i in group if i.role == "actor"), group[0])
+        own = threads if MODEL_ROLES & set(names) else 1
+        ranks = {role: [i.rank for i in of(role)] for role in names if role in RANKED_ROLES and len(of(role)) > 1}
+        workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks))
+    workers += [_worker(spec, base_dir, ["rollout"], instance, threads, instance.rank, {}) for instance in replicas]
+    return workers
+
+
+def _worker(spec: RunSpec, base_dir: Path, roles: list[str], anchor: RoleInstance, threads: int, replica: int,
+            ranks: dict[str, list[int]]) -> WorkerPlan:
+    return WorkerPlan(holder=holder_name(roles, replica),
+                      roles=_WorkerWiring(spec, base_dir, roles, threads, replica).build(),
+                      pool=anchor.pool, bundle=anchor.bundles[0], node=anchor.node, gpus=list(anchor.gpus),
+                      gpu_fraction=anchor.gpu_fraction, replica=replica, threads=threads, ranks=ranks)
