@@ -23,16 +23,18 @@ class UsageError(Exception):
     """A command-line mistake (exit 2)."""
 
 
-def _load(spec_ref: str, overrides: list[str]):
+def _load(spec_ref: str, overrides: list[str], *, runnable: bool = False):
+    """The validated spec and its folder; ``runnable`` adds the checks ``relax run`` makes before it
+    starts anything (today's runtime, this machine's GPUs)."""
     from relax.config import load_spec_dict
     from relax.spec import validate_spec
 
     raw, base_dir = load_spec_dict(spec_ref, overrides)
-    return validate_spec(raw, base_dir=base_dir), base_dir
+    return validate_spec(raw, base_dir=base_dir, runnable=runnable), base_dir
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec, _ = _load(args.spec, args.overrides)
+    spec, _ = _load(args.spec, args.overrides, runnable=True)
     from relax.spec.rules import gpus_requested
 
     gpus = gpus_requested(spec)
@@ -52,6 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # A spec that means nothing exits 2 here; one this runtime or machine cannot run exits 1 from
+    # run_spec's preflight, which makes the same checks as `relax validate`.
     spec, base_dir = _load(args.spec, args.overrides)
     from relax.plan import make_plan
 

@@ -1,4 +1,4 @@
-"""``relax run``: check the spec against this machine, start (or join) Ray, and hand the run to
+"""``relax run``: check the spec against this runtime and machine, start (or join) Ray, and hand the run to
 its controller (``relax.runtime.controller``), which deploys, watches, recovers and stops it.
 """
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from relax.plan.model import Plan
 from relax.runtime.checkpoint import latest_checkpoint
+from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 
 EXIT_OK, EXIT_RUN_FAILED = 0, 1
@@ -29,32 +30,17 @@ class LaunchError(Exception):
     """The run cannot start here; the message says why and what to do."""
 
 
-def preflight(spec: RunSpec, plan: Plan) -> list[str]:
-    """What keeps this spec from running on this machine and runtime, before anything starts."""
-    problems = []
-    if plan.gpus_used and spec.cluster.address is None:
-        import torch
+def preflight(spec: RunSpec, base_dir: Path) -> list[SpecIssue]:
+    """What keeps this spec from running with this runtime on this machine, before anything starts:
+    exactly the checks of ``relax validate`` (``validate_spec(..., runnable=True)``), so that the
+    two cannot disagree. Empty when it can run."""
+    from relax.spec import SpecError, check_spec
 
-        local = torch.cuda.device_count()
-        if local < plan.gpus_used:
-            problems.append(f"the spec asks for {plan.gpus_used} GPU(s) but this machine has {local}; run it on a "
-                            "GPU cluster (set cluster.address) or choose a CPU preset such as tiny-cpu "
-                            "(`relax plan` still shows this spec's layout)")
-    fwd = spec.roles.actor_fwd
-    if fwd is not None and spec.placement.mode == "separate":
-        from relax.registry import get_registry
-        from relax.contracts import PluginKind
-
-        if not hasattr(get_registry().load(PluginKind.trainer, fwd.backend), "load_weights"):
-            problems.append(f"roles.actor_fwd.backend {fwd.backend} cannot take weights in memory (no load_weights); "
-                            "use the torch backend, or hybrid mode where actor_fwd shares the actor's process")
-    if spec.roles.rollout.replicas > 1 and spec.placement.mode == "colocate":
-        problems.append(f"roles.rollout.replicas={spec.roles.rollout.replicas} in colocate mode: the rollout runs in "
-                        "the actor's process there; use separate mode for several rollout replicas")
-    for name, replicas in (("reward", spec.roles.reward.replicas), ("advantage", spec.roles.advantage.replicas)):
-        if replicas != 1:
-            problems.append(f"roles.{name}.replicas={replicas}: the runtime runs one {name} worker so far; set 1")
-    return problems
+    try:
+        check_spec(spec, base_dir=base_dir, runnable=True)
+    except SpecError as exc:
+        return exc.issues
+    return []
 
 
 def output_path(spec: RunSpec) -> Path:
@@ -106,7 +92,7 @@ def _init_ray(spec: RunSpec) -> bool:
 
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
     """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
-    problems = preflight(spec, plan)
+    problems = preflight(spec, base_dir)
     if problems:
         print("relax run: this spec cannot run here:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return EXIT_RUN_FAILED

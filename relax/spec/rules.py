@@ -1,8 +1,12 @@
-"""Rules that look across sections, at the model's architecture and at the installed plugins.
+"""Rules that look across sections, at the model's architecture, the data and the installed plugins.
 
-Each rule is a small function ``(spec, context) -> iterable of SpecIssue``; ``RULES`` lists them
-all and validation runs every one, so a spec's problems are reported together. A rule names the
-path a user should edit and says what to do instead.
+Each rule is a small function ``(spec, context) -> iterable of SpecIssue`` wrapped by ``@rule``,
+which records the top-level sections it reads. ``RULES`` says what a spec means (``relax plan``
+needs them to hold); ``RUNTIME_RULES`` say what today's runtime can run, which ``relax validate``
+and ``relax run`` check besides. Validation runs every one, so a spec's problems are reported
+together: on a spec with shape errors, a rule whose sections are all well-shaped still runs (the
+broken sections replaced by their defaults, which it does not read). A rule names the path a user
+should edit and says what to do instead.
 """
 
 from __future__ import annotations
@@ -39,7 +43,43 @@ class RuleContext:
         return self.plugin_classes.get((kind, name))
 
 
-Rule = Callable[[RunSpec, RuleContext], Iterable[SpecIssue]]
+Check = Callable[[RunSpec, RuleContext], Iterable[SpecIssue]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check and the top-level spec sections it reads, so that validation can run it on a spec
+    whose other sections are broken and skip it when one of its own is (with a broken section
+    replaced by defaults it would report problems that are not there).
+
+    ``per_section``: every issue the check yields belongs to the section its path starts with and
+    depends on that section alone (as with a plugin's name and options), so it runs on any spec and
+    only the issues of broken sections are dropped."""
+
+    check: Check
+    reads: frozenset[str]
+    per_section: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = self.reads - set(RunSpec.model_fields)
+        if unknown:
+            raise ValueError(f"rule {self.name} reads {sorted(unknown)}, which are not RunSpec sections")
+
+    @property
+    def name(self) -> str:
+        return self.check.__name__
+
+    def __call__(self, spec: RunSpec, ctx: RuleContext) -> Iterable[SpecIssue]:
+        return self.check(spec, ctx)
+
+
+def rule(*reads: str, per_section: bool = False) -> Callable[[Check], Rule]:
+    """Declare a check a rule reading the top-level sections ``reads``."""
+
+    def wrap(check: Check) -> Rule:
+        return Rule(check, frozenset(reads), per_section)
+
+    return wrap
 
 
 def dataset_plugin(source: str) -> tuple[str, dict[str, Any]]:
@@ -123,6 +163,7 @@ def _options_path(kind: PluginKind, path: str) -> str:
     return f"{path}.options"
 
 
+@rule("rewards", "data", "roles", "algorithm", per_section=True)
 def check_plugins(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Every named plugin is installed, loads, and accepts its options."""
     for kind, name, options, path in plugin_uses(spec):
@@ -153,6 +194,7 @@ def _token_needs(estimator: type | None) -> frozenset[str]:
     return frozenset(getattr(estimator, "needs", frozenset()))
 
 
+@rule("algorithm", "roles")
 def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """The algorithm name is known (or both halves are given), its roles run, a KL penalty or an
     entropy bonus has a part that takes it, and group-based parts get groups."""
@@ -207,6 +249,7 @@ def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         "set roles.reward.host: rollout, or set this to false")
 
 
+@rule("placement", "async_policy", "roles", "algorithm")
 def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Colocated runs are on-policy; decoupled correction needs the proximal policy role; a part
     without an importance ratio bounds the staleness, and the loss honours the correction."""
@@ -261,6 +304,7 @@ def gpus_requested(spec: RunSpec) -> int:
     return total
 
 
+@rule("cluster", "roles", "placement")
 def check_gpus(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Roles that share a pool agree on its size, and all GPUs asked for fit the cluster."""
     cluster, roles, mode = spec.cluster, spec.roles, spec.placement.mode
@@ -270,7 +314,8 @@ def check_gpus(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         f"in colocate mode rollout and actor time-share one pool, but the rollout asks for "
                         f"{roles.rollout.replicas} x {roles.rollout.gpus_per_replica} = {roles.rollout.gpus} GPUs "
                         f"and the actor for {actor_gpus}",
-                        "make replicas x gpus_per_replica equal roles.actor.gpus")
+                        f"make replicas x gpus_per_replica equal roles.actor.gpus: one replica with "
+                        f"gpus_per_replica {actor_gpus} (the runtime runs one colocated engine)")
     for name in _pooled_roles(spec):
         role = getattr(roles, name)
         if role is not None and role.gpus != actor_gpus:
@@ -344,6 +389,7 @@ def _check_parallel_shape(path: str, gpus: int, role: Any, arch: ModelArchitectu
                         f"use {_list(_divisors(arch.num_experts)[:8])}")
 
 
+@rule("roles", "model")
 def check_parallel(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Parallel sizes fit each role's GPUs, its backend, and the model's heads, layers and experts."""
     arch = ctx.architecture
@@ -360,6 +406,7 @@ def check_parallel(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                                          ctx.plugin(PluginKind.trainer, role.backend), role.backend)
 
 
+@rule("model", "data", "roles")
 def check_modalities(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Each modality has a data column, the model reads it, and every backend supports it."""
     wanted = spec.model.modalities
@@ -401,6 +448,7 @@ def check_modalities(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
 MEDIA_ROWS_CHECKED = 10_000
 
 
+@rule("data")
 def check_media_files(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Media files that a ``.jsonl`` data file names exist and pass their modality plugin's cheap
     standard-library probe (not truncated, not empty, a known format): each problem names the row
@@ -464,6 +512,7 @@ def _check_media_cell(cell: Any, row: int, key: str, plugin: Any, folder: Path, 
             yield SpecIssue(path, f"sample {row}, column '{key}': {problem}", hint)
 
 
+@rule("rewards", "roles")
 def check_rewards(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Reward entries have distinct keys; a model-based reward (a judge) gets reward workers of its
     own, and the backend that serves its model is installed and accepts its options."""
@@ -514,6 +563,7 @@ def rollout_units(spec: RunSpec) -> tuple[int, int]:
     return unit, math.ceil(prompts / unit)
 
 
+@rule("roles", "algorithm", "placement")
 def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """An elastic rollout (``max_replicas`` above ``replicas``) runs in separate mode only, units of
     rollout work fit in a step, and dynamic sampling gets a whole step in one replica."""
@@ -574,6 +624,7 @@ def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
     return "collective" if receives_collectively(backend) else "object_store"
 
 
+@rule("roles", "placement")
 def check_weight_sync(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """``collective`` weight sync needs weights to travel (not colocate), a backend that can
     receive them from a weight group, and a rollout on GPUs when the actor's are (NCCL)."""
@@ -595,6 +646,160 @@ def check_weight_sync(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         "use auto or object_store, or a backend that can (hf, vllm)")
 
 
+#: Rows of a data file whose columns validation reads (enough to catch a misnamed column).
+DATA_ROWS_CHECKED = 20
+
+
+def _data_file_columns(data_file: Path, spec_path: str) -> tuple[list[set[str]] | None, list[SpecIssue]]:
+    """The column names of a data file's first rows (one set per row), or None when they cannot
+    be read here (a Parquet file without pyarrow); malformed rows are issues naming their line."""
+    import json
+
+    suffix = data_file.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None, []  # the run says pyarrow is needed; validation cannot look inside
+        try:
+            return [set(pq.read_schema(data_file).names)], []
+        except Exception as exc:  # pyarrow raises its own error types
+            return None, [SpecIssue(spec_path, f"{data_file} is not a readable Parquet file ({exc})",
+                                    "give a Parquet file, or convert the data to .jsonl")]
+    if suffix == ".json":  # a list of objects (the jsonl plugin reads .json so)
+        try:
+            rows = json.loads(data_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            line = f"line {exc.lineno}: " if isinstance(exc, json.JSONDecodeError) else ""
+            return [], [SpecIssue(spec_path, f"{data_file}: {line}invalid JSON ({getattr(exc, 'msg', exc)})",
+                                  "fix the file, or use one JSON object per line (.jsonl)")]
+        if not isinstance(rows, list):
+            return [], [SpecIssue(spec_path, f"{data_file} holds a {type(rows).__name__}, not a list of objects",
+                                  "make it a JSON list of objects, or use one JSON object per line (.jsonl)")]
+        columns, issues = [], []
+        for i, row in enumerate(rows[:DATA_ROWS_CHECKED]):
+            if isinstance(row, dict):
+                columns.append(set(row))
+            else:
+                issues.append(SpecIssue(spec_path, f"{data_file}: item {i} is a {type(row).__name__}, not an object",
+                                        "every row must be a JSON object"))
+        return columns, issues
+    columns, issues = [], []
+    with open(data_file, encoding="utf-8", errors="replace") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if len(columns) + len(issues) >= DATA_ROWS_CHECKED:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                issues.append(SpecIssue(spec_path, f"{data_file}: line {lineno} is not valid JSON ({exc.msg} at "
+                                        f"column {exc.colno})", "each line must be one JSON object"))
+                continue
+            if not isinstance(row, dict):
+                issues.append(SpecIssue(spec_path, f"{data_file}: line {lineno} is a {type(row).__name__}, not an "
+                                        "object", "each line must be one JSON object"))
+                continue
+            columns.append(set(row))
+    if not columns and not issues:
+        issues.append(SpecIssue(spec_path, f"data file {data_file} has no rows",
+                                "give a file with one JSON object per line"))
+    return columns, issues
+
+
+def _wanted_columns(spec: RunSpec) -> list[tuple[str, str, bool]]:
+    """(path of the key in the spec, column, whether every row must have it): the prompt is read
+    from every row; a label, a reward route or a media cell may be missing from some rows."""
+    data = spec.data
+    wanted = [("data.prompt_key", data.prompt_key, True), ("data.label_key", data.label_key, False)]
+    if data.reward_key is not None:
+        wanted.append(("data.reward_key", data.reward_key, False))
+    wanted += [(f"data.media_keys.{modality}", column, False) for modality, column in data.media_keys.items()]
+    return wanted
+
+
+@rule("data")
+def check_data_columns(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """The columns the spec names (prompt, label, reward route, media) are in the data: in the
+    first rows of a data file, or in the ``columns`` a dataset plugin declares."""
+    for split in ("train", "eval"):
+        source = getattr(spec.data, split)
+        if source is None:
+            continue
+        name, implied = dataset_plugin(source.source)
+        where = f"data.{split}.source"
+        if "path" in implied:
+            data_file = Path(source.source).expanduser()
+            data_file = data_file if data_file.is_absolute() else ctx.base_dir / data_file
+            if not data_file.is_file():
+                continue  # reported by check_plugins
+            rows, issues = _data_file_columns(data_file, where)
+            yield from issues
+            if not rows:
+                continue
+            described = f"{source.source}'s first {len(rows)} row{'s' if len(rows) != 1 else ''}"
+        else:
+            cls = ctx.plugin(PluginKind.datasets, name)
+            declared = getattr(cls, "columns", None) if cls is not None else None
+            if declared is None:
+                continue  # the plugin does not say; the run reports a missing column
+            rows, described = [set(declared)], f"data set '{name}'"
+        found = set().union(*rows)
+        for path, column, every_row in _wanted_columns(spec):
+            if column not in found:
+                hint = did_you_mean(column, sorted(found))
+                hint = hint if hint.startswith("did you mean") else ""
+                yield SpecIssue(path, f"'{column}' is not a column of {described} (it has "
+                                f"{', '.join(sorted(found)) or 'none'})",
+                                hint or f"set {path} to one of its columns, or fix the data")
+            elif every_row and (missing := next((i for i, r in enumerate(rows) if column not in r), None)) is not None:
+                yield SpecIssue(path, f"row {missing} of {source.source} has no '{column}' column, which every "
+                                "row needs", "give every row a prompt, or remove the rows without one")
+
+
+@rule("roles", "placement")
+def check_colocated_rollout(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Colocate mode runs one rollout engine, inside the actor's process (``check_gpus`` already
+    reports replicas whose GPUs do not add up to the actor's; this one the layouts that do)."""
+    rollout = spec.roles.rollout
+    if spec.placement.mode == "colocate" and rollout.replicas > 1 and rollout.gpus == spec.roles.actor.gpus:
+        yield SpecIssue("roles.rollout.replicas",
+                        f"{rollout.replicas} rollout replicas in colocate mode, but there the runtime runs one "
+                        "rollout engine inside the actor's process",
+                        f"set replicas: 1 and gpus_per_replica: {spec.roles.actor.gpus} (with a parallel layout "
+                        "the rollout backend supports), or use placement.mode separate for several replicas")
+
+
+#: Roles the runtime runs as one worker so far, whatever the planner lays out.
+SINGLE_WORKER_ROLES = ("reward", "advantage")
+
+
+@rule("roles")
+def check_single_workers(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """The reward and advantage roles run as one worker each (the planner can lay out more)."""
+    for name in SINGLE_WORKER_ROLES:
+        replicas = getattr(spec.roles, name).replicas
+        if replicas != 1:
+            yield SpecIssue(f"roles.{name}.replicas", f"{replicas} {name} workers, but the runtime runs one so far",
+                            "set it to 1")
+
+
+@rule("roles", "placement")
+def check_actor_fwd_weights(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """In separate mode the proximal-policy role (actor_fwd) gets each new policy in memory, through
+    its backend's ``load_weights``."""
+    fwd = spec.roles.actor_fwd
+    if fwd is None or spec.placement.mode != "separate":
+        return
+    backend = ctx.plugin(PluginKind.trainer, fwd.backend)
+    if backend is not None and not callable(getattr(backend, "load_weights", None)):
+        yield SpecIssue("roles.actor_fwd.backend",
+                        f"backend '{fwd.backend}' cannot take new weights in memory (it has no load_weights), "
+                        "which roles.actor_fwd needs in separate mode",
+                        "use the torch backend, or placement.mode hybrid where actor_fwd shares the actor's process")
+
+
 #: Roles holding state that a restart in place would lose, and what that state is.
 STATEFUL_ROLES = {
     "actor": "the policy and optimizer state",
@@ -607,6 +812,7 @@ STATEFUL_ROLES = {
 HEARTBEATS_PER_TIMEOUT = 3
 
 
+@rule("fault_tolerance")
 def check_fault_tolerance(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Stateful roles are never restarted in place, and the failure-detection timeouts are ordered:
     heartbeat interval x 3 <= heartbeat timeout <= progress timeout."""
@@ -630,6 +836,7 @@ def check_fault_tolerance(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue
                         "or lower fault_tolerance.heartbeat_timeout_s")
 
 
+@rule("tracing")
 def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """The OTLP exporter is an optional extra: asking for it without it installed is an error."""
     if spec.tracing.exporter == "otlp":
@@ -647,13 +854,16 @@ def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "set it, e.g. http://localhost:4318/v1/traces")
 
 
+#: What a spec means: ``relax plan`` lays out a spec that passes them, in order (``check_plugins``
+#: first: the rules after it consult the plugin classes it loads).
 RULES: tuple[Rule, ...] = (
-    check_plugins,  # first: the rules below consult the plugin classes it loads
+    check_plugins,
     check_algorithm,
     check_staleness,
     check_gpus,
     check_parallel,
     check_modalities,
+    check_data_columns,
     check_media_files,
     check_rewards,
     check_rollout_scaling,
@@ -662,3 +872,11 @@ RULES: tuple[Rule, ...] = (
     check_tracing,
 )
 
+#: What today's runtime can run, beyond what the spec means: checked by ``relax validate`` and
+#: before ``relax run`` starts anything (after ``RULES``, whose plugin classes they consult), not by
+#: ``relax plan``, which lays out what the planner can place.
+RUNTIME_RULES: tuple[Rule, ...] = (
+    check_colocated_rollout,
+    check_single_workers,
+    check_actor_fwd_weights,
+)

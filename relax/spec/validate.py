@@ -1,4 +1,9 @@
-"""Validate a loaded spec: shape first (pydantic), then every cross-section rule.
+"""Validate a loaded spec in one round: its shape (pydantic) and every cross-section rule whose
+sections are well-shaped, so that one call reports every problem it can know.
+
+``runnable=True`` adds what ``relax run`` checks before it starts anything: the rules of today's
+runtime (``RUNTIME_RULES``) and this machine's GPUs (``relax.spec.machine``). ``relax validate``
+and ``relax run`` ask for it; ``relax plan`` does not (it shows a GPU spec's layout anywhere).
 
 Nothing here builds a model or starts a process: plugins are imported (their modules are light by
 contract) but never instantiated, except a built-in model plugin asked for its architecture numbers.
@@ -24,7 +29,7 @@ from relax.spec.architecture import (
 )
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import RunSpec
-from relax.spec.rules import RULES, RuleContext, check_plugins
+from relax.spec.rules import RULES, RUNTIME_RULES, Rule, RuleContext
 from relax.spec.translate import issues_from_validation_error
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -73,37 +78,41 @@ def resolve_architecture(
 
 
 def validate_spec(
-    raw: dict[str, Any], *, base_dir: Path | None = None, registry: Registry | None = None
+    raw: dict[str, Any], *, base_dir: Path | None = None, registry: Registry | None = None,
+    runnable: bool = False,
 ) -> RunSpec:
     """The typed spec, or a ``SpecError`` holding every problem found.
 
-    Shape errors (unknown keys, wrong types, out-of-range values) are reported together; when the
-    shape is right, every rule in ``relax.spec.rules.RULES`` runs and all their findings are
-    reported together.
+    Shape errors (unknown keys, wrong types, out-of-range values) are reported together with the
+    findings of every rule that reads only well-shaped sections; a rule reading a broken section is
+    skipped (its findings would be about defaults, not the user's spec). ``runnable`` adds the
+    checks of what today's runtime can run on this machine (see the module docstring).
     """
+    registry = registry or get_registry()
+    base_dir = base_dir or Path.cwd()
     try:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
         issues = issues_from_validation_error(exc, RunSpec)
-        issues += _plugin_issues_of_sound_sections(raw, exc, base_dir or Path.cwd(), registry or get_registry())
+        broken = frozenset(str(err["loc"][0]) for err in exc.errors() if err["loc"])
+        partial = _partial_spec(raw, broken)
+        if partial is not None:
+            issues += rule_issues(partial, base_dir=base_dir, registry=registry, broken=broken, runnable=runnable)
         raise SpecError(issues) from None
-    return check_spec(spec, base_dir=base_dir, registry=registry)
+    return check_spec(spec, base_dir=base_dir, registry=registry, runnable=runnable)
 
 
-def _plugin_issues_of_sound_sections(raw: dict[str, Any], exc: ValidationError, base_dir: Path,
-                                     registry: Registry) -> list[SpecIssue]:
-    """Plugin problems in the sections whose shape is right, so that a typo in one section does not
-    hide a wrong plugin option in another. Cross-section rules wait for a well-shaped spec: with a
-    broken section replaced by its defaults they could report problems that are not there."""
-    broken = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+def _partial_spec(raw: dict[str, Any], broken: frozenset[str]) -> RunSpec | None:
+    """The spec with its broken sections left to their defaults (rules reading them are skipped),
+    or None when even that does not validate (the spec is not a mapping, say)."""
+    if not isinstance(raw, dict):
+        return None
     sound = {key: value for key, value in raw.items() if key in RunSpec.model_fields and key not in broken}
     sound.setdefault("name", "partial")
     try:
-        partial = RunSpec.model_validate(sound)
+        return RunSpec.model_validate(sound)
     except ValidationError:
-        return []
-    ctx = RuleContext(registry=registry, base_dir=base_dir)
-    return [issue for issue in check_plugins(partial, ctx) if _section_of(issue.path) in sound]
+        return None
 
 
 def _section_of(path: str) -> str:
@@ -111,14 +120,37 @@ def _section_of(path: str) -> str:
     return path.split(".")[0].split("[")[0]
 
 
-def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registry | None = None) -> RunSpec:
-    """Run every cross-section rule on a well-shaped spec; raise ``SpecError`` with all findings."""
-    registry = registry or get_registry()
-    base_dir = base_dir or Path.cwd()
-    architecture, issues = resolve_architecture(spec.model.path, base_dir, registry, spec.model.options)
+def rules_to_run(runnable: bool) -> tuple[Rule, ...]:
+    """The rules a validation runs, in order: what the spec means, then (``runnable``) what the
+    runtime can run and whether this machine holds it."""
+    if not runnable:
+        return RULES
+    from relax.spec.machine import check_machine
+
+    return (*RULES, *RUNTIME_RULES, check_machine)
+
+
+def rule_issues(spec: RunSpec, *, base_dir: Path, registry: Registry, broken: frozenset[str] = frozenset(),
+                runnable: bool = False) -> list[SpecIssue]:
+    """Every finding of the rules on ``spec``, leaving out what depends on a ``broken`` section."""
+    issues: list[SpecIssue] = []
+    architecture = None
+    if "model" not in broken:
+        architecture, issues = resolve_architecture(spec.model.path, base_dir, registry, spec.model.options)
     ctx = RuleContext(registry=registry, base_dir=base_dir, architecture=architecture)
-    for rule in RULES:
-        issues.extend(rule(spec, ctx))
+    for check in rules_to_run(runnable):
+        if check.per_section:
+            issues.extend(i for i in check(spec, ctx) if _section_of(i.path) not in broken)
+        elif not check.reads & broken:
+            issues.extend(check(spec, ctx))
+    return issues
+
+
+def check_spec(spec: RunSpec, *, base_dir: Path | None = None, registry: Registry | None = None,
+               runnable: bool = False) -> RunSpec:
+    """Run every rule on a well-shaped spec; raise ``SpecError`` with all findings."""
+    issues = rule_issues(spec, base_dir=base_dir or Path.cwd(), registry=registry or get_registry(),
+                         runnable=runnable)
     if issues:
         raise SpecError(issues)
     return spec

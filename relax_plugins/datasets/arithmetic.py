@@ -7,7 +7,7 @@ options), so a run with both starts from a weak policy that reinforcement learni
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,9 @@ def arithmetic_problem(rng: random.Random, max_operand: int, operations: list[st
 
 class ArithmeticDataset:
     """A map-style data set of ``size`` arithmetic problems; item ``i`` depends only on the seed and ``i``."""
+
+    #: The columns of every row (``relax validate`` checks the spec's data keys against them).
+    columns: ClassVar[tuple[str, ...]] = ("prompt", "answer")
 
     class Config(BaseModel):
         """Options of the synthetic arithmetic data set."""

@@ -85,18 +85,27 @@ def test_resume_continues_with_the_same_data_order_and_step_count(local_ray, tmp
 
 
 def test_a_role_failure_stops_the_run_with_its_cause(local_ray, tmp_path: Path, capsys) -> None:
+    # Validation reads the first rows of a data file (their columns are right); the first step
+    # reads past them, into rows without a prompt.
+    from relax.spec.rules import DATA_ROWS_CHECKED
+
     data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    code, rows, _ = run(tmp_path, "broken", f"data.train={{source: {data}}}")
+    rows = [{"prompt": "1+1=", "answer": "2"}] * DATA_ROWS_CHECKED + [{"question": "1+1=", "answer": "2"}] * 4
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, rows, _ = run(tmp_path, "broken", f"data.train={{source: {data}}}", "data.shuffle=false",
+                        f"algorithm.prompts_per_step={DATA_ROWS_CHECKED + 4}")
     assert code == 1 and rows == []
     err = capsys.readouterr().err
     assert "rollout failed at step 0" in err and "no 'prompt' column" in err
 
 
-def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys) -> None:
+def test_gpu_specs_stop_before_anything_starts(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a machine without GPUs
     spec, plan, base = tiny(tmp_path, "gpu", preset="qwen3-4b-grpo-async")
     assert run_spec(spec, plan, base_dir=base) == 1
-    assert "asks for 8 GPU(s) but this machine has 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot run here" in err and "cluster.address: the spec asks for 8 GPUs on this machine" in err
+    assert "which has 0" in err
     assert not (tmp_path / "gpu").exists()  # stopped before creating anything
 
 

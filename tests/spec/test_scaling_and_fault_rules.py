@@ -118,8 +118,9 @@ def test_elastic_rollout_in_hybrid_mode(check, cpu_spec):
 
 
 def test_several_colocated_replicas_are_covered_by_the_gpu_rule(check, gpu_spec):
-    # Several rollout engines in colocate mode are fine when together they span the actor's GPUs
-    # (the qwen3-4b-grpo-colocate preset runs 8); check_gpus reports them when they do not.
+    # Several rollout engines in colocate mode mean something when together they span the actor's
+    # GPUs (the planner lays them out); check_gpus reports them when they do not. Today's runtime
+    # runs one (a runtime rule: tests/spec/test_one_round.py).
     gpu_spec["placement"] = {"mode": "colocate"}
     gpu_spec["async_policy"] = {"max_staleness": 0}
     gpu_spec["roles"]["rollout"]["replicas"] = 2

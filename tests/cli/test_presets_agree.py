@@ -1,0 +1,56 @@
+"""``relax validate`` and the checks ``relax run`` makes before it starts anything give every preset
+the same verdict and the same problems (one source of truth: they run the same rules)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax.cli import main
+from relax.config import load_spec_dict
+from relax.spec import SpecError, machine, validate_spec
+
+from .conftest import ROOT
+
+PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
+
+
+def run_prestart(preset: Path) -> list[str]:
+    """What ``relax run`` reports before starting: ``cmd_run`` validates the spec (exit 2 on a
+    problem), then ``run_spec``'s preflight checks it against the runtime and machine (exit 1)."""
+    from relax.runtime.launch import preflight
+
+    raw, base = load_spec_dict(str(preset), [])
+    try:
+        spec = validate_spec(raw, base_dir=base)
+    except SpecError as exc:
+        return [str(issue) for issue in exc.issues]
+    return [str(issue) for issue in preflight(spec, base)]
+
+
+def run_validate(preset: Path, capsys) -> tuple[int, list[str]]:
+    code = main(["validate", str(preset)])
+    err = capsys.readouterr().err
+    return code, [line[len("  - "):] for line in err.splitlines() if line.startswith("  - ")]
+
+
+@pytest.mark.parametrize("gpus_here", [0, 64])
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_validate_and_the_run_prestart_check_agree(preset, gpus_here, capsys, monkeypatch):
+    monkeypatch.setattr(machine, "local_gpu_count", lambda: gpus_here)
+    monkeypatch.setitem(sys.modules, "ray", None)  # nothing here may start (or import) Ray
+    code, validated = run_validate(preset, capsys)
+    prestart = run_prestart(preset)
+    assert validated == prestart
+    assert (code == 0) == (prestart == [])
+    raw, base = load_spec_dict(str(preset), [])
+    spec = validate_spec(raw, base_dir=base)
+    on_gpus = spec.cluster.address is None and any(r.gpus for r in spec.trained_roles().values())
+    if gpus_here == 64:
+        assert code == 0, validated  # every preset runs on a machine with the GPUs it asks for
+    elif on_gpus:  # a GPU preset on a machine without GPUs fails the machine check, and only it
+        assert [line.split(":")[0] for line in validated] == ["cluster.address"]
+        assert "set cluster.address to run on a GPU cluster" in validated[0]
+
