@@ -34,8 +34,11 @@ def _load(spec_ref: str, overrides: list[str], *, runnable: bool = False):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec, _ = _load(args.spec, args.overrides, runnable=True)
+    spec, base_dir = _load(args.spec, args.overrides, runnable=True)
+    from relax.plan import make_plan
     from relax.spec.rules import gpus_requested
+
+    make_plan(spec, base_dir=base_dir)  # `relax run` plans before it starts: a layout or memory problem is the spec's
 
     gpus = gpus_requested(spec)
     where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
