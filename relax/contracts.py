@@ -5,15 +5,27 @@ group per kind. This module states, per kind, which methods the class must have 
 parameters, so the registry can reject a plugin whose hooks do not match before a run starts, with a
 message naming the plugin and the expected signature.
 
+It also declares, per kind, the class attributes ("traits") a plugin may set to tell the planner
+and the validator what it can do (``TRAITS``; the registry checks their types and values), and
+the typed contexts the runtime hands a plugin when it builds one (``RolloutContext``,
+``TrainerContext``, ``AlgorithmContext``, ``RewardContext``): a plugin reads what it needs from its
+context and never sees the run spec, so a spec change cannot silently change what a plugin reads.
+The contexts are plain data (JSON round-trip) apart from the runtime-only objects they carry
+(a trainer's built loss, a reward's backend factory), which are left out of dumps.
+
 It also holds the small, dependency-free records that cross the plugin boundary (a reward sample, a
-generation). Tensors never appear here: this module is imported by ``relax validate``.
+generation). Tensors never appear here: this module is imported by ``relax validate`` (pydantic
+and the standard library only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class PluginKind(StrEnum):
@@ -48,7 +60,8 @@ class Hook:
 #: Methods each kind must define. ``__init__`` is listed where the engine calls it with fixed
 #: arguments. Extra keyword-only parameters with defaults are allowed.
 HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
-    # Published contract for third parties: keep it stable.
+    # Published contract for third parties: keep it stable. A reward may also take a keyword-only
+    # ``context: RewardContext | None = None`` (model-based rewards build their judge through it).
     PluginKind.rewards: (Hook("__init__", ("config",)), Hook("score", ("samples",))),
     PluginKind.datasets: (
         Hook("__init__", ("config",)),
@@ -69,10 +82,10 @@ HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
         Hook("load", ("path",)),
     ),
     PluginKind.advantages: (
-        Hook("__init__", ("config", "spec")),
+        Hook("__init__", ("config", "context")),
         Hook("compute", ("rewards", "group_ids")),
     ),
-    PluginKind.losses: (Hook("__init__", ("config", "spec")), Hook("compute", ("batch", "logprobs"))),
+    PluginKind.losses: (Hook("__init__", ("config", "context")), Hook("compute", ("batch", "logprobs"))),
     PluginKind.modalities: (Hook("__init__", ("config",)), Hook("load", ("item",))),
     PluginKind.models: (
         Hook("__init__", ("config",)),
@@ -108,19 +121,270 @@ class Generation:
     finished: bool = True
 
 
-@dataclass
-class BackendContext:
-    """What the runtime hands a rollout or trainer backend when it builds one.
 
-    ``spec`` is the validated ``relax.spec.RunSpec``; a backend reads its own role's block
-    (``spec.roles.<role>``), the model and the algorithm from it. ``model_path`` is a local folder:
-    built-in models (``builtin:<name>``) are materialized before any backend is built.
-    """
+# -- traits ---------------------------------------------------------------------------------------
 
-    spec: Any
-    role: str
-    model_path: str
+#: Input modalities a backend may read (``model.modalities`` values).
+MODALITIES = frozenset({"text", "image", "audio", "video"})
+#: Parallelism dimensions a backend may support (``roles.<role>.parallel`` keys, and ``dp``).
+PARALLELISM = frozenset({"dp", "tp", "pp", "cp", "ep"})
+#: Token columns of other model roles an advantage estimator may read (its ``needs``): the
+#: critic's ``values`` and the reference's ``ref_logprobs``.
+TOKEN_COLUMNS = frozenset({"ref_logprobs", "values"})
+#: ``async_policy.correction`` values a loss may honour.
+CORRECTIONS = frozenset({"none", "tis", "decoupled"})
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _subset_of(allowed: frozenset[str]) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        return isinstance(value, (set, frozenset)) and all(isinstance(v, str) for v in value) and value <= allowed
+    return check
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _one_of(*allowed: str) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, str) and value in allowed
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Trait:
+    """A class attribute a plugin of some kind may declare, read by the planner, the validator or
+    the runtime. ``check`` says whether a declared value is acceptable; ``expected`` says so in
+    words for the error message; ``default`` is what an undeclared trait means."""
+
+    name: str
+    expected: str
+    default: Any
+    meaning: str
+    check: Callable[[Any], bool]
+    per_instance: bool = False
+    """The value may depend on the instance (a ``property`` on the class): only instances know it."""
+
+    def accepts(self, value: Any) -> bool:
+        return (self.per_instance and isinstance(value, property)) or bool(self.check(value))
+
+
+def _traits(*traits: Trait) -> dict[str, Trait]:
+    return {t.name: t for t in traits}
+
+
+_MODALITIES = Trait("modalities", f"a frozenset of {', '.join(sorted(MODALITIES))}, or None", None,
+                    "Inputs the backend accepts; None: not declared (not checked).",
+                    _optional(_subset_of(MODALITIES)))
+_PARALLELISM = Trait("parallelism", f"a frozenset of {', '.join(sorted(PARALLELISM))}, or None", None,
+                     "Parallel dimensions the backend supports; None: not declared (not checked).",
+                     _optional(_subset_of(PARALLELISM)))
+_TOLERATED = Trait("tolerated_staleness", "an int >= 0, or None", None,
+                   "Most async_policy.max_staleness the part is sound for; None: any (it has an "
+                   "importance ratio).", _optional(_count))
+
+#: Traits each kind may declare. A plugin class that sets one to a value its ``check`` refuses is
+#: rejected by the registry's contract check; the registry's ``trait`` accessor gives the default
+#: when a class does not declare one. Kinds without an entry declare no traits.
+TRAITS: dict[PluginKind, dict[str, Trait]] = {
+    PluginKind.rollout: _traits(
+        _MODALITIES, _PARALLELISM,
+        Trait("weight_group_ranks", "an int >= 1 (or a property, when it depends on the instance)", 1,
+              "Ranks the backend joins a weight group with (collective weight sync).", _positive,
+              per_instance=True),
+    ),
+    PluginKind.trainer: _traits(
+        _MODALITIES, _PARALLELISM,
+        Trait("memory_sharding", "one of none, optimizer, full", "none",
+              "What the backend shards over data-parallel ranks (the planner's memory estimate): "
+              "none (full replicas), optimizer (optimizer state), full (weights, gradients and "
+              "optimizer state).", _one_of("none", "optimizer", "full")),
+        Trait("pipeline_schedule", "one of 1f1b, fill-drain", "1f1b",
+              "The pipeline schedule (the planner's activation estimate under pp > 1).",
+              _one_of("1f1b", "fill-drain")),
+    ),
+    PluginKind.advantages: _traits(
+        Trait("token_level", "a bool", False,
+              "The estimator computes [B, T] advantages with compute_tokens (it reads token tensors).",
+              _is_bool),
+        Trait("group_based", "a bool", False,
+              "The estimator compares samples of one prompt (needs samples_per_prompt >= 2).", _is_bool),
+        Trait("needs", f"a frozenset of {', '.join(sorted(TOKEN_COLUMNS))}", frozenset(),
+              "Token columns of other roles a token-level estimator reads.", _subset_of(TOKEN_COLUMNS)),
+        _TOLERATED,
+    ),
+    PluginKind.losses: _traits(
+        _TOLERATED,
+        Trait("corrections", f"a frozenset of {', '.join(sorted(CORRECTIONS))}, or None", None,
+              "The async_policy.correction values the loss honours; None: not declared (not checked).",
+              _optional(_subset_of(CORRECTIONS))),
+        Trait("needs_entropy", "a bool, or None", None,
+              "None: compute takes no entropy. A bool: compute takes per-token entropy when it is "
+              "True (an instance sets it from its context).", _optional(_is_bool)),
+    ),
+    PluginKind.rewards: _traits(
+        Trait("model_based", "a bool", False,
+              "The reward serves a model (a judge): it must run in its own reward worker.", _is_bool),
+    ),
+}
+
+
+# -- contexts -------------------------------------------------------------------------------------
+
+
+class ContextData(BaseModel):
+    """Base of the plain-data parts of the contexts: frozen, no unknown fields, JSON round-trip."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelInfo(ContextData):
+    """The model a backend loads."""
+
+    path: str
+    """A local folder (built-in models are materialized before any backend is built)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+    modalities: tuple[str, ...] = ("text",)
+    """Inputs the run gives the model."""
+
+
+class SamplingInfo(ContextData):
+    """How the rollout samples (``roles.rollout.sampling``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k truncation."""
+    max_new_tokens: int = 8
+
+
+class ParallelInfo(ContextData):
+    """A role's model-parallel sizes per replica (``roles.<role>.parallel``)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+
+class MediaInfo(ContextData):
+    """The media columns of the data and their modality plugins' options: what a backend needs to
+    build its ``relax.media.MediaSet`` (``MediaSet.from_info``)."""
+
+    keys: dict[str, str]
+    """Modality -> data column."""
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Modality -> options of its ``relax.modalities`` plugin."""
+    on_bad_sample: Literal["error", "skip"] = "error"
+
+
+class OptimizerInfo(ContextData):
+    """A trained role's optimizer (``roles.<role>.optimizer``)."""
+
+    name: str = "adamw"
+    lr: float = 3.0e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+
+class TrainingInfo(ContextData):
+    """What a role that trains (actor, critic) has beyond a forward-only one."""
+
+    optimizer: OptimizerInfo = Field(default_factory=OptimizerInfo)
+    gradient_checkpointing: bool = False
+
+
+class RolloutContext(ContextData):
+    """What the runtime hands a ``relax.rollout`` backend when it builds one."""
+
+    role: str = "rollout"
+    """The role the backend serves (``rollout``; ``reward`` for a judge a reward builds)."""
+    model: ModelInfo
+    sampling: SamplingInfo = Field(default_factory=SamplingInfo)
+    """The run's sampling settings (``generate`` also receives them per call)."""
+    parallel: ParallelInfo = Field(default_factory=ParallelInfo)
+    gpu_memory_utilization: float = 0.9
+    """Share of each GPU an engine may take (engines that preallocate)."""
+    max_prompt_tokens: int = 256
+    """Prompts are cut from the left to this many tokens."""
+    media: MediaInfo | None = None
+    """None for text runs."""
     device: str = "cpu"
     seed: int = 0
-    loss: Any = None
-    """The built ``relax.losses`` plugin a trainer optimises (None for forward-only roles)."""
+
+
+class TrainerContext(ContextData):
+    """What the runtime hands a ``relax.trainer`` backend for one model role (actor, critic,
+    reference, actor_fwd)."""
+
+    role: str
+    model: ModelInfo
+    parallel: ParallelInfo = Field(default_factory=ParallelInfo)
+    micro_batch_size: int = 16
+    training: TrainingInfo | None = None
+    """The optimizer and its settings; None for a forward-only role (reference, actor_fwd)."""
+    updates_per_step: int = 1
+    """Optimizer steps per training step (the batch splits into this many mini-batches)."""
+    sampling_temperature: float = 1.0
+    """The rollout's sampling temperature: log-probs are those of ``softmax(logits / T)``."""
+    max_prompt_tokens: int = 256
+    media: MediaInfo | None = None
+    value_clip: float | None = 0.2
+    """The critic's value clip (``algorithm.value_clip``; None: unclipped)."""
+    device: str = "cpu"
+    seed: int = 0
+    loss: Any = Field(None, exclude=True)
+    """The built ``relax.losses`` plugin the actor optimises (None for other roles). Runtime-only:
+    left out of dumps."""
+
+
+class AlgorithmContext(ContextData):
+    """The algorithm's settings that advantage estimators and losses read."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None
+    """Dual-clip bound (> 1) on negative advantages; None: no dual clip."""
+    kl_coef: float = 0.0
+    kl_in: Literal["loss", "reward"] | None = None
+    """Where the KL penalty to the reference goes (None: nowhere)."""
+    kl_estimator: str | None = None
+    """k1, k2 or k3; None lets each part choose its default."""
+    entropy_coef: float = 0.0
+    loss_aggregation: str | None = None
+    """How per-token losses are reduced; None: ``token-mean``."""
+    correction: Literal["none", "tis", "decoupled"] = "tis"
+    """``async_policy.correction``."""
+    tis_cap: float = 2.0
+    max_new_tokens: int = 8
+    """The rollout's generation budget (the constant denominator of ``seq-mean-token-sum-norm``)."""
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What the runtime offers a reward that serves a model (a judge), so the reward builds it
+    without importing the runtime or reading the spec. Rewards that take no ``context`` keyword
+    never see it. Runtime-only (holds callables): it is never serialized."""
+
+    device: str
+    """Where the reward worker's models go (``cuda`` when the plan gave it a GPU, else ``cpu``)."""
+    materialize_model: Callable[[str, dict[str, Any]], str]
+    """``(model, model_options) -> local folder``: a Hugging Face folder as given (relative to the
+    working directory), or ``builtin:<name>`` built by its ``relax.models`` plugin (cached)."""
+    build_rollout: Callable[[str, dict[str, Any], RolloutContext], Any]
+    """``(backend, backend_options, context) -> backend``: a ``relax.rollout`` plugin built through
+    the registry with its options checked against its ``Config``."""

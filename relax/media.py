@@ -157,6 +157,16 @@ class MediaSet:
         return cls(spec.data.media_keys, spec.data.media_options, media_base_dir(spec, base_dir), spill_dir,
                    spec.data.on_bad_sample)
 
+    @classmethod
+    def from_info(cls, info: Any, base_dir: str | Path | None = None,
+                  spill_dir: str | Path | None = None) -> MediaSet | None:
+        """The media set of a plugin context's plain data (``relax.contracts.MediaInfo``: ``keys``,
+        ``options``, ``on_bad_sample``), or None when there is none (a text run): how backends
+        build theirs without reading the spec."""
+        if info is None or not info.keys:
+            return None
+        return cls(info.keys, info.options, base_dir, spill_dir, info.on_bad_sample)
+
     def refs(self, row: dict[str, Any], index: int | str) -> list[MediaRef]:
         """References to every media item of a data row, each decoded and checked once.
 

@@ -6,8 +6,10 @@ imported the first time it is asked for by name, once per process. The built-in 
 ``relax_plugins`` are registered by this project's own ``pyproject.toml`` exactly like a third
 party's, and the core never imports them by name.
 
-A plugin that fails to import, lacks a ``Config`` model or whose hooks do not match the contract is
-reported with its distribution and entry point, and does not affect the other plugins.
+A plugin that fails to import, lacks a ``Config`` model, whose hooks do not match the contract or
+which declares a trait (``relax.contracts.TRAITS``) of the wrong type or value is reported with its
+distribution and entry point, and does not affect the other plugins. Traits are read through
+``trait`` (the declared default when a class does not set one), never with a bare ``getattr``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from relax.contracts import HOOKS, Hook, PluginKind
+from relax.contracts import HOOKS, TRAITS, Hook, PluginKind
 from relax.spec.errors import SpecIssue
 from relax.spec.translate import issues_from_validation_error
 
@@ -189,6 +191,35 @@ def check_contract(kind: PluginKind, entry: PluginEntry, cls: Any) -> None:
                 f"{kind.value} plugin {entry.describe()} does not match the contract: expected "
                 f"`{hook.signature()}`"
             )
+    for name, declared in TRAITS.get(kind, {}).items():
+        value = inspect.getattr_static(cls, name, _ABSENT)
+        if value is _ABSENT:
+            continue
+        if isinstance(value, (classmethod, staticmethod)):
+            value = getattr(cls, name)
+        if not declared.accepts(value):
+            raise PluginError(
+                f"{kind.value} plugin {entry.describe()} declares trait `{name} = {value!r}`, but "
+                f"{name} must be {declared.expected} ({declared.meaning}); fix the class attribute "
+                "or remove it to get the default"
+            )
+
+
+_ABSENT = object()
+
+
+def trait(cls: Any, kind: PluginKind | str, name: str) -> Any:
+    """The value of trait ``name`` (declared for ``kind`` in ``relax.contracts.TRAITS``) on a
+    plugin class or instance, or the trait's default when it does not set one. A trait the kind
+    does not declare is a programming error (KeyError naming the declared ones)."""
+    kind = PluginKind(kind)
+    declared = TRAITS.get(kind, {})
+    if name not in declared:
+        raise KeyError(f"{kind.value} plugins declare no trait '{name}' (they declare: "
+                       f"{', '.join(sorted(declared)) or 'none'}); add it to relax.contracts.TRAITS")
+    if cls is None:
+        return declared[name].default
+    return getattr(cls, name, declared[name].default)
 
 
 _default: Registry | None = None

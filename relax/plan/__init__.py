@@ -11,7 +11,7 @@ from relax.plan.placement import gpu_fractions, plan_placement
 from relax.plan.render import render
 from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
 from relax.plan.wiring import plan_workers, rollout_work
-from relax.registry import PluginError, get_registry
+from relax.registry import PluginError, get_registry, trait
 from relax.spec.architecture import ModelArchitecture
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import RunSpec
@@ -31,7 +31,7 @@ def _trainer_trait(backend: str, name: str, default: str) -> str:
         cls = get_registry().load(PluginKind.trainer, backend)
     except PluginError:
         return default
-    return getattr(cls, name, default)
+    return trait(cls, PluginKind.trainer, name)
 
 
 def judge_memory(spec: RunSpec, base_dir: Path) -> tuple[list[MemoryItem], list[str]]:
@@ -49,7 +49,7 @@ def judge_memory(spec: RunSpec, base_dir: Path) -> tuple[list[MemoryItem], list[
             cls = registry.load(PluginKind.rewards, entry.name)
         except PluginError:
             continue
-        if not getattr(cls, "model_based", False):
+        if not trait(cls, PluginKind.rewards, "model_based"):
             continue
         config = registry.build_config(PluginKind.rewards, entry.name, entry.options)
         judge, _ = resolve_architecture(config.model, base_dir, registry, getattr(config, "model_options", {}))

@@ -1,16 +1,19 @@
 """Build a run's plugin objects from its spec, through the registry, in whichever process needs them.
 
 Every role worker calls these in its own Ray process, so plugin discovery and loading happen
-there exactly as in the driver.
+there exactly as in the driver. A plugin gets its kind's typed context (``relax.contracts``), built
+from the spec by ``relax.plan.contexts``; it never sees the spec itself.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
-from relax.contracts import BackendContext, PluginKind
+from relax.contracts import PluginKind, RewardContext, RolloutContext
+from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 from relax.runtime.scoring import RewardEntry, RewardScorer
 from relax.spec.architecture import BUILTIN_PREFIX
@@ -27,9 +30,14 @@ def cache_dir() -> str:
 
 def materialize_model(spec: RunSpec, base_dir: Path) -> str:
     """A local folder for ``model.path``; ``builtin:<name>`` is built by its plugin (cached)."""
-    path = spec.model.path
+    return materialize_path(spec.model.path, spec.model.options, base_dir)
+
+
+def materialize_path(path: str, options: dict[str, Any], base_dir: Path) -> str:
+    """A local folder for a model named like ``model.path`` (with ``model.options``): a relative
+    folder is taken from ``base_dir``, ``builtin:<name>`` is built by its plugin (cached)."""
     if path.startswith(BUILTIN_PREFIX):
-        model = build_plugin(PluginKind.models, path[len(BUILTIN_PREFIX):], spec.model.options)
+        model = build_plugin(PluginKind.models, path[len(BUILTIN_PREFIX):], options)
         return model.materialize(cache_dir())
     folder = Path(path).expanduser()
     folder = folder if folder.is_absolute() else base_dir / folder
@@ -52,21 +60,50 @@ def build_dataset(spec: RunSpec, base_dir: Path) -> Any:
     return build_plugin(PluginKind.datasets, name, options)
 
 
+def takes_reward_context(cls: type) -> bool:
+    """Whether a reward class's ``__init__`` takes the keyword ``context`` (a ``RewardContext``);
+    rewards with the published ``__init__(self, config)`` are built without one."""
+    try:
+        return "context" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def reward_context() -> RewardContext:
+    """The factory a model-based reward builds its judge with, in this process: models are
+    materialized relative to the working directory, backends built through the registry."""
+    def build_judge_rollout(name: str, options: dict[str, Any], context: RolloutContext) -> Any:
+        return build_plugin(PluginKind.rollout, name, options, context)
+
+    return RewardContext(device=role_device(),
+                         materialize_model=lambda path, options: materialize_path(path, options, Path.cwd()),
+                         build_rollout=build_judge_rollout)
+
+
+def build_reward(name: str, options: dict[str, Any]) -> Any:
+    """One reward plugin; a reward that takes a ``context`` keyword gets this process's
+    ``RewardContext``."""
+    registry = get_registry()
+    cls = registry.load(PluginKind.rewards, name)
+    config = registry.build_config(PluginKind.rewards, name, options)
+    return cls(config, context=reward_context()) if takes_reward_context(cls) else cls(config)
+
+
 def build_rewards(spec: RunSpec) -> RewardScorer:
     """The run's reward plugins, each with its weight, time limit and error policy, in a scorer."""
-    return RewardScorer([RewardEntry(key=r.key, name=r.name, plugin=build_plugin(PluginKind.rewards, r.name, r.options),
+    return RewardScorer([RewardEntry(key=r.key, name=r.name, plugin=build_reward(r.name, r.options),
                                      weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error, always=r.always)
                          for r in spec.rewards])
 
 
 def build_advantage(spec: RunSpec) -> Any:
     name, _ = advantage_and_loss(spec)
-    return build_plugin(PluginKind.advantages, name, spec.algorithm.advantage_options, spec)
+    return build_plugin(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))
 
 
 def build_loss(spec: RunSpec) -> Any:
     _, name = advantage_and_loss(spec)
-    return build_plugin(PluginKind.losses, name, spec.algorithm.loss_options, spec)
+    return build_plugin(PluginKind.losses, name, spec.algorithm.loss_options, algorithm_context(spec))
 
 
 def role_device() -> str:
@@ -85,7 +122,7 @@ def build_rollout(spec: RunSpec, model_path: str, threads: int | None) -> Any:
     options = dict(role.options)
     if threads and "num_threads" not in options:
         options["num_threads"] = threads
-    context = BackendContext(spec=spec, role="rollout", model_path=model_path, seed=spec.seed, device=role_device())
+    context = rollout_context(spec, model_path, device=role_device())
     return build_plugin(PluginKind.rollout, role.backend, options, context)
 
 
@@ -96,6 +133,6 @@ def build_trainer(spec: RunSpec, model_path: str, threads: int | None, role: str
     options = dict(block.options)
     if threads and "num_threads" not in options:
         options["num_threads"] = threads
-    context = BackendContext(spec=spec, role=role, model_path=model_path, seed=spec.seed, device=role_device(),
-                             loss=build_loss(spec) if role == "actor" else None)
+    context = trainer_context(spec, role, model_path, device=role_device(),
+                              loss=build_loss(spec) if role == "actor" else None)
     return build_plugin(PluginKind.trainer, block.backend, options, context)

@@ -225,7 +225,7 @@ class ObjectStoreWeights:
 
 class CollectiveWeights:
     """Separate/hybrid with ``roles.rollout.weight_sync: collective``: weights go from the actor's
-    rank 0 to each rollout replica over a weight group of their own (``relax.runtime.weight_group``:
+    rank 0 to each rollout replica over a weight group of their own (``relax.weight_group``:
     NCCL on GPUs, gloo on CPU), pulled by the replica when it needs a newer version.
 
     The actor's side keeps its newest snapshot and publishes only the version (plus an object-store
@@ -254,7 +254,7 @@ class CollectiveWeights:
 
     def open(self, holder: str, receivers: int) -> dict[str, Any]:
         """A new weight group for replica ``holder`` (replacing its old one): its address."""
-        from relax.runtime.weight_group import WeightSender
+        from relax.weight_group import WeightSender
 
         old = self.groups.pop(holder, None)
         if old is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.contracts import PluginKind
-from relax.registry import PluginError, Registry
+from relax.registry import PluginError, Registry, trait
 from relax.spec.algorithms import ALGORITHMS
 from relax.spec.architecture import BUILTIN_PREFIX, ModelArchitecture
 from relax.spec.errors import SpecIssue
@@ -115,7 +115,7 @@ def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
         estimator = get_registry().load(PluginKind.advantages, advantage)
     except PluginError:
         return ()
-    needs = getattr(estimator, "needs", frozenset()) if getattr(estimator, "token_level", False) else frozenset()
+    needs = _token_needs(estimator)
     return tuple(sorted(c for c in needs if getattr(spec.roles, ROLE_COLUMNS.get(c, ""), None) is not None))
 
 
@@ -189,9 +189,9 @@ def _check_data_file(path: Path, ctx: RuleContext, spec_path: str) -> Iterator[S
 
 def _token_needs(estimator: type | None) -> frozenset[str]:
     """Token tensors of other roles a token-level estimator may read (its ``needs``)."""
-    if estimator is None or not getattr(estimator, "token_level", False):
+    if estimator is None or not trait(estimator, PluginKind.advantages, "token_level"):
         return frozenset()
-    return frozenset(getattr(estimator, "needs", frozenset()))
+    return frozenset(trait(estimator, PluginKind.advantages, "needs"))
 
 
 @rule("algorithm", "roles")
@@ -221,13 +221,13 @@ def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         "token-level estimator that reads reference log-probs, so it would be ignored",
                         "set algorithm.kl_in: loss, or use a token-level estimator "
                         "(reinforce_pp, reinforce_pp_baseline, gae)")
-    if algo.entropy_coef > 0 and loss_cls is not None and not hasattr(loss_cls, "needs_entropy"):
+    if algo.entropy_coef > 0 and loss_cls is not None and trait(loss_cls, PluginKind.losses, "needs_entropy") is None:
         yield SpecIssue("algorithm.entropy_coef",
                         f"{algo.entropy_coef} asks for an entropy bonus, but the loss '{loss}' does not "
                         "take entropy (it declares no needs_entropy)",
                         "set algorithm.entropy_coef to 0, or choose a loss that takes it (ppo_clip, gspo, "
                         "cispo, sapo)")
-    group_based = estimator is not None and getattr(estimator, "group_based", False)
+    group_based = estimator is not None and trait(estimator, PluginKind.advantages, "group_based")
     if group_based and algo.samples_per_prompt < 2:
         yield SpecIssue("algorithm.samples_per_prompt",
                         f"{algo.samples_per_prompt} is too few for the group-based advantage '{advantage}'",
@@ -266,7 +266,7 @@ def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     parts = [("advantage", PluginKind.advantages, advantage), ("loss", PluginKind.losses, loss)]
     for what, kind, name in parts:
         cls = ctx.plugin(kind, name) if name else None
-        tolerated = getattr(cls, "tolerated_staleness", None) if cls is not None else None
+        tolerated = trait(cls, kind, "tolerated_staleness")
         if tolerated is not None and staleness > tolerated:
             yield SpecIssue("async_policy.max_staleness",
                             f"{staleness} is more than the {what} '{name}' tolerates ({tolerated}): it has no "
@@ -274,7 +274,7 @@ def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             f"set it to {tolerated}, or choose a {what} with an importance ratio"
                             + (" (ppo_clip, gspo, cispo, sapo)" if what == "loss" else ""))
     loss_cls = ctx.plugin(PluginKind.losses, loss) if loss else None
-    honoured = getattr(loss_cls, "corrections", None) if loss_cls is not None else None
+    honoured = trait(loss_cls, PluginKind.losses, "corrections")
     if honoured is not None and correction not in honoured:
         yield SpecIssue("async_policy.correction",
                         f"the loss '{loss}' does not honour correction {correction} "
@@ -352,7 +352,7 @@ def _list(values: list[int]) -> str:
 
 
 def _check_parallel_shape(path: str, gpus: int, role: Any, arch: ModelArchitecture | None,
-                          backend: type | None, backend_name: str) -> Iterator[SpecIssue]:
+                          kind: PluginKind, backend: type | None, backend_name: str) -> Iterator[SpecIssue]:
     par = role.parallel
     sizes = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep}
     if gpus == 0:
@@ -361,7 +361,7 @@ def _check_parallel_shape(path: str, gpus: int, role: Any, arch: ModelArchitectu
                 yield SpecIssue(f"{path}.parallel.{key}", f"{size} needs GPUs, but this role runs on CPU",
                                 "set it to 1, or give the role GPUs")
         return
-    supported = getattr(backend, "parallelism", None) if backend is not None else None
+    supported = trait(backend, kind, "parallelism")
     if supported is not None:
         for key, size in sizes.items():
             if size > 1 and key not in supported:
@@ -399,10 +399,10 @@ def check_parallel(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         f"{rollout.gpus_per_replica} differs from the engine's tp x pp = "
                         f"{rollout.parallel.tp * rollout.parallel.pp}",
                         "make gpus_per_replica equal roles.rollout.parallel.tp x pp")
-    yield from _check_parallel_shape("roles.rollout", rollout.gpus_per_replica, rollout, arch,
+    yield from _check_parallel_shape("roles.rollout", rollout.gpus_per_replica, rollout, arch, PluginKind.rollout,
                                      ctx.plugin(PluginKind.rollout, rollout.backend), rollout.backend)
     for name, role in spec.trained_roles().items():
-        yield from _check_parallel_shape(f"roles.{name}", role.gpus, role, arch,
+        yield from _check_parallel_shape(f"roles.{name}", role.gpus, role, arch, PluginKind.trainer,
                                          ctx.plugin(PluginKind.trainer, role.backend), role.backend)
 
 
@@ -434,7 +434,7 @@ def check_modalities(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     backends += [(f"roles.{n}.backend", PluginKind.trainer, r.backend) for n, r in spec.trained_roles().items()]
     for path, kind, name in backends:
         cls = ctx.plugin(kind, name)
-        supported = getattr(cls, "modalities", None) if cls is not None else None
+        supported = trait(cls, kind, "modalities")
         if supported is None:
             continue
         for modality in wanted:
@@ -523,7 +523,7 @@ def check_rewards(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "give each entry its own id (routing and per-reward metrics use it)")
         seen.setdefault(reward.key, i)
         cls = ctx.plugin(PluginKind.rewards, reward.name)
-        if cls is None or not getattr(cls, "model_based", False):
+        if cls is None or not trait(cls, PluginKind.rewards, "model_based"):
             continue
         if spec.roles.reward.host != "own":
             yield SpecIssue("roles.reward.host", f"rewards[{i}] ('{reward.name}') serves a model, which must not "

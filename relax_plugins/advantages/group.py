@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.contracts import AlgorithmContext
+
 
 def _tensors(rewards: Any, group_ids: Any) -> tuple[Any, Any]:
     import torch
@@ -38,9 +40,9 @@ class GRPOAdvantage:
         normalize_std: bool = True
         """Divide by the group std; false gives Dr. GRPO's unscaled advantage."""
 
-    def __init__(self, config: GRPOAdvantage.Config, spec: Any) -> None:
+    def __init__(self, config: GRPOAdvantage.Config, context: AlgorithmContext) -> None:
         self.config = config
-        self.spec = spec
+        self.context = context
 
     def compute(self, rewards: Any, group_ids: Any) -> Any:
         from relax.algo.advantages import grpo_advantages
@@ -63,9 +65,9 @@ class _UnscaledGroupAdvantage:
 
         model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, config: BaseModel, spec: Any) -> None:
+    def __init__(self, config: BaseModel, context: AlgorithmContext) -> None:
         self.config = config
-        self.spec = spec
+        self.context = context
 
     def compute(self, rewards: Any, group_ids: Any) -> Any:
         from relax.algo import advantages

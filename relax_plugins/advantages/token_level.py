@@ -4,7 +4,7 @@ Thin plugins over ``relax.algo.advantages``: they implement ``compute_tokens(inp
 ``TokenAdvantageInputs`` and return ``TokenAdvantages`` (``[B, T]``). ``needs`` names the token
 tensors of other roles each may read: ``ref_logprobs`` for a KL penalty in the reward
 (``algorithm.kl_in: reward`` with ``kl_coef > 0``), ``values`` for GAE's critic. The KL settings
-come from ``spec.algorithm``; discounting and whitening from the plugin's own options. torch is
+come from the ``AlgorithmContext``; discounting and whitening from the plugin's own options. torch is
 imported when computing, so this module stays importable by ``relax validate``.
 """
 
@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.contracts import AlgorithmContext
+
 
 class _TokenAdvantage:
     """Shared by the token-level estimators: the KL penalty in the reward, and the outcome hook."""
@@ -22,13 +24,12 @@ class _TokenAdvantage:
     group_based: ClassVar[bool] = False
     needs: ClassVar[frozenset[str]] = frozenset({"ref_logprobs"})
 
-    def __init__(self, config: Any, spec: Any) -> None:
+    def __init__(self, config: Any, context: AlgorithmContext) -> None:
         self.config = config
-        self.spec = spec
-        algo = spec.algorithm
-        self.kl_coef = float(algo.kl_coef) if algo.kl_in == "reward" else 0.0
+        self.context = context
+        self.kl_coef = float(context.kl_coef) if context.kl_in == "reward" else 0.0
         """Weight of the per-token KL penalty in the reward (0 when the KL goes in the loss)."""
-        self.kl_estimator = algo.kl_estimator or "k1"
+        self.kl_estimator = context.kl_estimator or "k1"
 
     def compute(self, rewards: Any, group_ids: Any) -> Any:
         """Not available: a token-level estimator needs the token tensors of ``compute_tokens``."""

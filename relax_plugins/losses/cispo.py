@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from relax.contracts import AlgorithmContext
 from relax_plugins.losses.policy_loss import PolicyLoss
 
 
@@ -25,11 +26,10 @@ class CISPOLoss(PolicyLoss):
         truncate_low: bool = False
         """Also bound the weight below at ``1 - algorithm.clip.low`` (MiniMax-M1 bounds it above only)."""
 
-    def __init__(self, config: CISPOLoss.Config, spec: Any) -> None:
-        super().__init__(config, spec)
-        clip = spec.algorithm.clip
-        self.clip_low = float(clip.low) if config.truncate_low else None
-        self.clip_high = float(clip.high)
+    def __init__(self, config: CISPOLoss.Config, context: AlgorithmContext) -> None:
+        super().__init__(config, context)
+        self.clip_low = float(context.clip_low) if config.truncate_low else None
+        self.clip_high = float(context.clip_high)
 
     def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import cispo_loss

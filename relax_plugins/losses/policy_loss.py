@@ -1,4 +1,4 @@
-"""What every built-in policy loss shares: reading the spec, the proximal policy, and the KL and
+"""What every built-in policy loss shares: reading its ``AlgorithmContext``, the proximal policy, and the KL and
 entropy terms around the surrogate.
 
 A policy loss plugin computes ``(loss, metrics)`` from a ``relax.algo.batch.TrainBatch`` and the
@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from relax.contracts import AlgorithmContext
+
 
 class PolicyLoss(ABC):
     """Base of the built-in policy losses; a subclass implements ``surrogate``."""
@@ -41,7 +43,7 @@ class PolicyLoss(ABC):
     tolerated_staleness: ClassVar[int | None] = None
     #: The ``async_policy.correction`` values the loss honours.
     corrections: ClassVar[frozenset[str]] = frozenset({"none", "tis", "decoupled"})
-    #: Whether ``compute`` must be given per-token entropy; the instance sets it from the spec
+    #: Whether ``compute`` must be given per-token entropy; the instance sets it from its context
     #: (``algorithm.entropy_coef > 0``).
     needs_entropy: bool = False
 
@@ -50,19 +52,18 @@ class PolicyLoss(ABC):
 
         model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, config: BaseModel, spec: Any) -> None:
+    def __init__(self, config: BaseModel, context: AlgorithmContext) -> None:
         self.config = config
-        algo = spec.algorithm
-        self.aggregation: str = algo.loss_aggregation or "token-mean"
+        self.aggregation: str = context.loss_aggregation or "token-mean"
         """How per-token losses are reduced (``relax.algo.losses.aggregate``)."""
-        self.norm_tokens = int(spec.roles.rollout.sampling.max_new_tokens)
+        self.norm_tokens = int(context.max_new_tokens)
         """The constant denominator of ``seq-mean-token-sum-norm``: the generation budget."""
-        self.kl_coef = float(algo.kl_coef) if algo.kl_in == "loss" else 0.0
-        self.kl_estimator = algo.kl_estimator or "k3"
-        self.entropy_coef = float(algo.entropy_coef)
+        self.kl_coef = float(context.kl_coef) if context.kl_in == "loss" else 0.0
+        self.kl_estimator = context.kl_estimator or "k3"
+        self.entropy_coef = float(context.entropy_coef)
         self.needs_entropy = self.entropy_coef > 0
-        self.correction = spec.async_policy.correction
-        self.tis_cap = float(spec.async_policy.tis_cap) if self.correction in ("tis", "decoupled") else None
+        self.correction = context.correction
+        self.tis_cap = float(context.tis_cap) if self.correction in ("tis", "decoupled") else None
         if self.correction not in self.corrections:
             raise ValueError(f"loss {type(self).__name__} does not honour async_policy.correction "
                              f"'{self.correction}' (it honours {', '.join(sorted(self.corrections))})")

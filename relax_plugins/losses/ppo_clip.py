@@ -1,7 +1,7 @@
 """``ppo_clip``: the PPO clipped surrogate with DAPO's asymmetric clip, a dual clip and TIS.
 
-The clip range comes from ``spec.algorithm.clip`` (``low``, ``high`` and the dual clip ``c``),
-the off-policy correction from ``spec.async_policy`` (see ``policy_loss``); the math is
+The clip range comes from the ``AlgorithmContext`` (``algorithm.clip``: ``low``, ``high`` and the
+dual clip ``c``), the off-policy correction too (``async_policy``) (see ``policy_loss``); the math is
 ``relax.algo.losses.ppo_clip_loss``.
 """
 
@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from relax.contracts import AlgorithmContext
 from relax_plugins.losses.policy_loss import PolicyLoss
 
 
 class PPOClipLoss(PolicyLoss):
     """PPO-clip over a ``relax.algo.batch.TrainBatch``, aggregated per ``algorithm.loss_aggregation``."""
 
-    def __init__(self, config: PolicyLoss.Config, spec: Any) -> None:
-        super().__init__(config, spec)
-        clip = spec.algorithm.clip
-        self.clip_low, self.clip_high = float(clip.low), float(clip.high)
-        self.clip_c = None if clip.c is None else float(clip.c)
+    def __init__(self, config: PolicyLoss.Config, context: AlgorithmContext) -> None:
+        super().__init__(config, context)
+        self.clip_low, self.clip_high = float(context.clip_low), float(context.clip_high)
+        self.clip_c = None if context.clip_c is None else float(context.clip_c)
 
     def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import ppo_clip_loss

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.contracts import AlgorithmContext
 from relax_plugins.losses.policy_loss import PolicyLoss
 
 
@@ -26,8 +27,8 @@ class SAPOLoss(PolicyLoss):
         tau_neg: float = Field(1.05, gt=0.0)
         """Gate temperature for tokens with a zero or negative advantage (damped sooner: larger)."""
 
-    def __init__(self, config: SAPOLoss.Config, spec: Any) -> None:
-        super().__init__(config, spec)
+    def __init__(self, config: SAPOLoss.Config, context: AlgorithmContext) -> None:
+        super().__init__(config, context)
         self.tau_pos, self.tau_neg = float(config.tau_pos), float(config.tau_neg)
 
     def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:

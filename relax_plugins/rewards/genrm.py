@@ -1,8 +1,10 @@
 """``genrm``: a generative reward model: an LLM judge reads each response and gives a verdict.
 
-The judge model is served by a ``relax.rollout`` backend (``hf`` by default), built through the
-registry in the reward worker with a ``BackendContext`` of its own (role ``reward``), so any
-backend a run can generate with can also judge. Each sample becomes a judge prompt by filling
+The judge model is served by a ``relax.rollout`` backend (``hf`` by default), built in the reward
+worker through the ``RewardContext`` the runtime hands the reward (its factory materializes the
+judge model and builds the backend through the registry) with a ``RolloutContext`` of its own
+(role ``reward``), so any backend a run can generate with can also judge. Nothing here imports the
+runtime or reads the run spec. Each sample becomes a judge prompt by filling
 ``template`` (fields ``{prompt}``, ``{response}``, ``{label}``); the judge's reply is parsed by
 ``verdict_pattern`` and mapped to a score by ``verdict_scores``.
 
@@ -19,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from relax.contracts import RewardSample
+from relax.contracts import ModelInfo, RewardContext, RewardSample, RolloutContext, SamplingInfo
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{label}\n\n"
@@ -138,32 +140,25 @@ class GenerativeJudge:
                 raise ValueError("needs a capturing group around the verdict, e.g. (yes|no)")
             return value
 
-    def __init__(self, config: GenerativeJudge.Config) -> None:
-        from relax.contracts import BackendContext, PluginKind
-        from relax.runtime.components import build_plugin, materialize_model, role_device
-        from relax.spec.models import RunSpec
-
+    def __init__(self, config: GenerativeJudge.Config, *, context: RewardContext | None = None) -> None:
+        if context is None:
+            raise ValueError("genrm serves a judge model and must be built with a RewardContext (the runtime "
+                             "passes one: relax.runtime.components.build_reward); pass context=RewardContext(...)")
         self.config = config
         self.verdict = VerdictParser(config.verdict_pattern, config.verdict_scores, config.unparsed_score)
-        # The judge's own run spec: what a backend reads from its context (model, dtype, prompt
-        # length, its role's sampling and options), nothing of the policy's run.
-        self.spec = RunSpec.model_validate({
-            "name": "genrm-judge",
-            "model": {"path": config.model, "dtype": config.dtype, "options": config.model_options},
-            "data": {"max_prompt_tokens": config.max_prompt_tokens},
-            "roles": {"rollout": {"backend": config.backend, "options": config.backend_options,
-                                  "sampling": config.sampling.model_dump()}},
-            "tracing": {"exporter": "none"},
-        })
-        path = materialize_model(self.spec, Path.cwd())
+        path = context.materialize_model(config.model, dict(config.model_options))
         if not Path(path).is_dir():
             raise FileNotFoundError(f"genrm: the judge model {config.model!r} is not a folder (looked at {path}); "
                                     "give a local Hugging Face folder or builtin:<name>")
         self.model_path = path
-        # On the reward worker's GPU when the plan gave it one (roles.reward.gpus_per_replica).
-        context = BackendContext(spec=self.spec, role="reward", model_path=path, seed=config.seed,
-                                 device=role_device())
-        self.backend = build_plugin(PluginKind.rollout, config.backend, config.backend_options, context)
+        self.sampling = SamplingInfo.model_validate(config.sampling.model_dump())
+        """How the judge samples (passed to every ``generate``)."""
+        # The judge's own rollout context: its model, dtype, prompt length and sampling, nothing of
+        # the policy's run; on the reward worker's GPU when the plan gave it one.
+        rollout = RolloutContext(role="reward", model=ModelInfo(path=path, dtype=config.dtype),
+                                 sampling=self.sampling, max_prompt_tokens=config.max_prompt_tokens,
+                                 device=context.device, seed=config.seed)
+        self.backend = context.build_rollout(config.backend, dict(config.backend_options), rollout)
         self._tokenizer: Any = None
         self._lock = threading.Lock()  # one generate at a time: backends are not re-entrant
         self._calls = 0
@@ -192,7 +187,7 @@ class GenerativeJudge:
         prompts = [self.judge_prompt(s) for s in samples]
         with self._lock:
             self._calls += 1
-            gens = self.backend.generate(prompts, votes, self.spec.roles.rollout.sampling,
+            gens = self.backend.generate(prompts, votes, self.sampling,
                                          self.config.seed + self._calls)
         totals = [0.0] * len(samples)
         for gen in gens:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.contracts import BackendContext, Generation
+from relax.contracts import Generation, RolloutContext
 
 
 class HFRollout:
@@ -27,7 +27,7 @@ class HFRollout:
     #: (``relax_plugins.processing``, shared with the torch trainer).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
-    #: Ranks this backend takes in a weight group (``relax.runtime.weight_group``): one, this process.
+    #: Ranks this backend takes in a weight group (``relax.weight_group``): one, this process.
     weight_group_ranks: ClassVar[int] = 1
 
     class Config(BaseModel):
@@ -40,7 +40,7 @@ class HFRollout:
         num_threads: int | None = Field(None, ge=1)
         """torch intra-op threads of this process; null leaves torch's setting alone."""
 
-    def __init__(self, config: HFRollout.Config, context: BackendContext) -> None:
+    def __init__(self, config: HFRollout.Config, context: RolloutContext) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,10 +49,11 @@ class HFRollout:
         self.config = config
         self.context = context
         self.device = torch.device(context.device)
-        self.max_prompt_tokens = int(context.spec.data.max_prompt_tokens)
+        self.model_path = context.model.path
+        self.max_prompt_tokens = int(context.max_prompt_tokens)
         from relax.media import MediaSet
 
-        self.media = MediaSet.from_spec(context.spec)
+        self.media = MediaSet.from_info(context.media)
         """The run's modality plugins (None for text runs): media come as references and are
         decoded here through the same plugins and processor as in the trainer."""
         self.encoder: Any = None
@@ -60,21 +61,21 @@ class HFRollout:
         if self.media is not None:
             from relax_plugins.processing import SampleEncoder, load_processor
 
-            processor = load_processor(context.model_path)
+            processor = load_processor(self.model_path)
             self.tokenizer = processor.tokenizer
             self.encoder = SampleEncoder(processor, self.media, self.max_prompt_tokens)
         else:
-            self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, context.model_path)
-        dtype = getattr(torch, context.spec.model.dtype)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
+        dtype = getattr(torch, context.model.dtype)
         if self.media is not None:
             from relax_plugins.processing import load_policy_model, placeholder_token_ids
 
-            self.model = load_policy_model(context.model_path, dtype, multimodal=True)
+            self.model = load_policy_model(self.model_path, dtype, multimodal=True)
             # Never sample a media placeholder: the trainer masks the same tokens (see processing).
             self.suppressed = placeholder_token_ids(self.model.config)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         self.model.to(self.device).eval()
         # A response ends at the tokenizer's eos or at any end token of the model's generation
         # config (chat models often have several, e.g. <|im_end|> and <|endoftext|>).
@@ -209,10 +210,10 @@ class HFRollout:
 
     def join_weight_group(self, address: dict[str, Any]) -> None:
         """Join a weight group as its rank 1 (the group forms once the sender sends its first round)."""
-        from relax.runtime.weight_group import WeightRecipient
+        from relax.weight_group import WeightRecipient
 
         self.close_weight_group()
-        self._recipient = WeightRecipient(address, 1, who=f"hf rollout ({self.context.model_path})")
+        self._recipient = WeightRecipient(address, 1, who=f"hf rollout ({self.model_path})")
 
     def receive_weights(self) -> int:
         """Receive one round of the joined weight group straight into the model, bucket by bucket

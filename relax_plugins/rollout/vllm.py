@@ -22,7 +22,7 @@ CPU backend keeps a prepacked copy of every linear layer, which is refreshed onl
 pushed. The transport is the engine's own ZMQ and shared-memory channels on one machine.
 
 With ``roles.rollout.weight_sync: collective`` the weights instead come over a weight group
-(``relax.runtime.weight_group``): ``join_weight_group`` has each worker join as rank 1 + its rank,
+(``relax.weight_group``): ``join_weight_group`` has each worker join as rank 1 + its rank,
 ``receive_weights`` pauses the engine, has every worker receive the trainer's broadcast (NCCL on
 GPUs, gloo on CPU) and load it bucket by bucket, then clears the prefix cache and resumes.
 
@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.contracts import BackendContext, Generation
+from relax.contracts import Generation, RolloutContext
 
 GIB = 1 << 30
 #: Where the worker-side half lives (vLLM imports it in its worker processes).
@@ -99,7 +99,7 @@ class VLLMRollout:
         rejected at start-up if vLLM does not know them. The fields this backend sets itself
         (model, dtype, parallel sizes, seed, log-prob mode) cannot be overridden here."""
 
-    #: Engine arguments derived from the spec; ``engine_args`` may not override them.
+    #: Engine arguments derived from the context; ``engine_args`` may not override them.
     OWNED_ARGS: ClassVar[frozenset[str]] = frozenset({
         "model", "tokenizer", "dtype", "seed", "logprobs_mode", "tensor_parallel_size",
         "pipeline_parallel_size", "enable_expert_parallel", "worker_extension_cls", "generation_config",
@@ -107,24 +107,23 @@ class VLLMRollout:
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization",
     })
 
-    def __init__(self, config: VLLMRollout.Config, context: BackendContext) -> None:
+    def __init__(self, config: VLLMRollout.Config, context: RolloutContext) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         from relax_plugins.rollout.hf import end_and_pad_ids
 
-        spec = context.spec
-        role = spec.roles.rollout
         self.config = config
         self.context = context
-        self.max_prompt_tokens = int(spec.data.max_prompt_tokens)
-        self.max_model_len = config.max_model_len or self.max_prompt_tokens + int(role.sampling.max_new_tokens)
-        self._check_spec(spec)
-        self.tokenizer = AutoTokenizer.from_pretrained(context.model_path)
-        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, context.model_path)
-        self.hf_config = AutoConfig.from_pretrained(context.model_path)
-        self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(context.model_path)
+        self.model_path = context.model.path
+        self.max_prompt_tokens = int(context.max_prompt_tokens)
+        self.max_model_len = config.max_model_len or self.max_prompt_tokens + int(context.sampling.max_new_tokens)
+        self._check_context(context)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(self.model_path)
                                                      if t != self.eos_token_id]
-        self.weight_shapes = _checkpoint_shapes(context.model_path)
+        self.weight_shapes = _checkpoint_shapes(self.model_path)
         self.tied = bool(getattr(self.hf_config.get_text_config(), "tie_word_embeddings", False))
         if self.tied and "lm_head.weight" not in self.weight_shapes and "model.embed_tokens.weight" in self.weight_shapes:
             self.weight_shapes["lm_head.weight"] = self.weight_shapes["model.embed_tokens.weight"]
@@ -148,19 +147,18 @@ class VLLMRollout:
 
     # -- construction ---------------------------------------------------------------------------
 
-    def _check_spec(self, spec: Any) -> None:
+    def _check_context(self, context: RolloutContext) -> None:
         """Settings this backend cannot serve, with what to do instead (before anything starts)."""
-        role = spec.roles.rollout
-        extra = sorted(set(spec.model.modalities) - self.modalities)
+        extra = sorted(set(context.model.modalities) - self.modalities)
         if extra:
             raise ValueError(f"the vllm rollout feeds text only, but model.modalities lists {', '.join(extra)}; "
                              "use roles.rollout.backend hf for media, or set model.modalities to [text]")
-        needed = self.max_prompt_tokens + int(role.sampling.max_new_tokens)
+        needed = self.max_prompt_tokens + int(context.sampling.max_new_tokens)
         if self.max_model_len < needed:
             raise ValueError(f"roles.rollout.options.max_model_len={self.max_model_len} is shorter than "
                              f"data.max_prompt_tokens + sampling.max_new_tokens = {needed}; raise it or "
                              "leave it null")
-        par = role.parallel
+        par = context.parallel
         if par.cp > 1:
             raise ValueError(f"roles.rollout.parallel.cp={par.cp}: the vllm rollout has no context "
                              "parallelism; set it to 1")
@@ -170,7 +168,7 @@ class VLLMRollout:
         owned = sorted(set(self.config.engine_args) & self.OWNED_ARGS)
         if owned:
             raise ValueError(f"roles.rollout.options.engine_args sets {', '.join(owned)}, which the vllm "
-                             "rollout derives from the spec or its own options; set those there instead")
+                             "rollout derives from its context (the spec) or its own options; set those there instead")
 
     def _check_platform(self) -> None:
         """The CPU backend's limits: one worker, and only the head sizes its attention kernel has."""
@@ -178,7 +176,7 @@ class VLLMRollout:
 
         if not current_platform.is_cpu():
             return
-        par = self.context.spec.roles.rollout.parallel
+        par = self.context.parallel
         if par.tp * par.pp > 1:
             raise ValueError(f"roles.rollout.parallel tp={par.tp} x pp={par.pp}: this vLLM runs on the CPU "
                              "backend, which this rollout runs as one worker; set tp and pp to 1")
@@ -189,29 +187,28 @@ class VLLMRollout:
         head_dim = getattr(text, "head_dim", None) or (int(text.hidden_size) // heads if heads else None)
         supported = list(CPUAttentionBackend.get_supported_head_sizes())
         if head_dim is not None and int(head_dim) not in supported:
-            raise ValueError(f"{self.context.model_path} has head_dim={head_dim}, which vLLM's CPU attention "
+            raise ValueError(f"{self.model_path} has head_dim={head_dim}, which vLLM's CPU attention "
                              f"does not support (it supports {', '.join(map(str, supported))}); use a model "
                              "with one of those (builtin:tiny-lm: model.options.head_dim >= 32) or the hf rollout")
 
     def _engine_args(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        spec, config = self.context.spec, self.config
-        role = spec.roles.rollout
+        context, config = self.context, self.config
         args: dict[str, Any] = dict(
-            model=self.context.model_path,
-            dtype=spec.model.dtype,
+            model=self.model_path,
+            dtype=context.model.dtype,
             seed=int(self.context.seed),
             logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # sampling comes from the spec, not the model's defaults
+            generation_config="vllm",  # sampling comes from the run, not the model's defaults
             worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=role.parallel.tp,
-            pipeline_parallel_size=role.parallel.pp,
-            enable_expert_parallel=role.parallel.ep > 1,
+            tensor_parallel_size=context.parallel.tp,
+            pipeline_parallel_size=context.parallel.pp,
+            enable_expert_parallel=context.parallel.ep > 1,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
-            gpu_memory_utilization=role.gpu_memory_utilization,
+            gpu_memory_utilization=context.gpu_memory_utilization,
             disable_log_stats=True,
         )
         if config.kv_cache_gib is not None:
@@ -242,7 +239,7 @@ class VLLMRollout:
         try:
             return AsyncLLM.from_engine_args(args)
         except Exception as exc:
-            raise RuntimeError(f"vLLM could not start an engine for {self.context.model_path}: "
+            raise RuntimeError(f"vLLM could not start an engine for {self.model_path}: "
                                f"{type(exc).__name__}: {exc}. Check roles.rollout.options (kv_cache_gib, "
                                "max_model_len, engine_args) and model.dtype") from exc
 
@@ -365,11 +362,11 @@ class VLLMRollout:
     @property
     def weight_group_ranks(self) -> int:
         """Ranks this engine takes in a weight group: one per worker (tp x pp)."""
-        par = self.context.spec.roles.rollout.parallel
+        par = self.context.parallel
         return int(par.tp * par.pp)
 
     def join_weight_group(self, address: dict[str, Any]) -> None:
-        """Have every worker join the weight group at ``address`` (``relax.runtime.weight_group``)
+        """Have every worker join the weight group at ``address`` (``relax.weight_group``)
         as rank 1 + its own rank; the group forms on the first ``receive_weights``."""
         shapes = {k: list(v) for k, v in self.weight_shapes.items()}
         with self._lock:

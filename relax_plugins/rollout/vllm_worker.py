@@ -9,7 +9,7 @@ pushing a closure over the tensors instead needs ``VLLM_ALLOW_INSECURE_SERIALIZA
 the engine unpickle anything sent to it. Here only bytes of known dtypes are accepted.
 
 A second path, for ``roles.rollout.weight_sync: collective``: each worker joins the rollout's weight
-group (``relax.runtime.weight_group``, rank 1 + its own rank) and takes the rounds the trainer's
+group (``relax.weight_group``, rank 1 + its own rank) and takes the rounds the trainer's
 rank 0 broadcasts (NCCL on GPUs, gloo on CPU); only the group's address and small results cross
 ``collective_rpc``, never weight bytes.
 
@@ -64,7 +64,7 @@ class WeightReceiver:
         the first round). ``shapes`` are the checkpoint's tensors each round must match exactly;
         ``tied``: a round without ``lm_head.weight`` loads the input embedding there too. Returns
         the rank taken."""
-        from relax.runtime.weight_group import WeightRecipient
+        from relax.weight_group import WeightRecipient
 
         previous = getattr(self, "_relax_recipient", None)
         if previous is not None:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 
-from relax.contracts import BackendContext
+from relax.contracts import TrainerContext
 from relax_plugins.trainer.megatron_parallel import (
     all_reduce_grads,
     attention_mask,
@@ -123,7 +123,7 @@ class MegatronTrainer:
     class Config(TrainerConfig):
         """Options of the Megatron train backend."""
 
-    def __init__(self, config: MegatronTrainer.Config, context: BackendContext) -> None:
+    def __init__(self, config: MegatronTrainer.Config, context: TrainerContext) -> None:
         import torch
 
         from relax_plugins.trainer.megatron_weights import check_tensor_parallel, layout_from_hf_config
@@ -132,20 +132,16 @@ class MegatronTrainer:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.context = context
-        spec = context.spec
         if context.role == "critic":
             raise ValueError("roles.critic: the megatron trainer has no value head yet; set "
                              "roles.critic.backend: torch")
-        self.role = getattr(spec.roles, context.role)
-        if self.role is None:
-            raise ValueError(f"roles.{context.role} is not in the spec; the megatron trainer has nothing to run")
-        self.model_path = Path(context.model_path)
+        self.model_path = Path(context.model.path)
         config_file = self.model_path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{self.model_path} has no config.json; the megatron trainer needs a local "
                                     "Hugging Face model folder")
         self.layout = layout_from_hf_config(json.loads(config_file.read_text()))
-        par = self.role.parallel
+        par = context.parallel
         self.tp, self.pp, self.ep = int(par.tp), int(par.pp), int(par.ep)
         # Megatron trains MoE layers under tensor parallelism only with sequence parallelism.
         self.sequence_parallel = self.layout.is_moe and self.tp > 1
@@ -156,11 +152,11 @@ class MegatronTrainer:
             if self.device.index is None:  # one GPU per rank: the launcher's LOCAL_RANK picks it
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        self.dtype = getattr(torch, spec.model.dtype)
-        self.micro_batch_size = int(self.role.micro_batch_size)
-        self.updates_per_step = int(spec.algorithm.updates_per_step)
-        self.temperature = logprob_temperature(config, spec)
-        self.gradient_checkpointing = bool(getattr(self.role, "gradient_checkpointing", False))
+        self.dtype = getattr(torch, context.model.dtype)
+        self.micro_batch_size = int(context.micro_batch_size)
+        self.updates_per_step = int(context.updates_per_step)
+        self.temperature = logprob_temperature(config, context)
+        self.gradient_checkpointing = context.training is not None and context.training.gradient_checkpointing
         if self.gradient_checkpointing and self.device.type != "cuda":
             raise ValueError(f"roles.{context.role}.gradient_checkpointing: Megatron's activation recomputation "
                              "saves and restores CUDA RNG states, so it needs a GPU; set it to false on CPU")
@@ -174,8 +170,8 @@ class MegatronTrainer:
         self._load_hf(_read_safetensors(self.model_path))
         self.model.eval()
         self.loss = context.loss
-        self.optimizer_spec = getattr(self.role, "optimizer", None)
-        self.optimizer = self._build_optimizer() if self.optimizer_spec is not None else None
+        self.optimizer_info = context.training.optimizer if context.training is not None else None
+        self.optimizer = self._build_optimizer() if self.optimizer_info is not None else None
         self.version = 0
         """Optimizer steps taken (the policy version of the current weights)."""
 
@@ -252,7 +248,7 @@ class MegatronTrainer:
         return model.to(self.device)
 
     def _build_optimizer(self) -> Any:
-        return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_spec,
+        return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_info,
                                "megatron")
 
     def _local_state(self) -> dict[str, Any]:
@@ -514,7 +510,7 @@ class MegatronTrainer:
 
             self._run(self._micro_batches(list(minibatch.split(self.micro_batch_size))), on_logits, train=True)
             self._reduce_grads(named, dp_group, stats if last else None)
-            stats["grad_norm"] = self._clip_grad_norm(named, self.optimizer_spec.grad_clip)
+            stats["grad_norm"] = self._clip_grad_norm(named, self.optimizer_info.grad_clip)
             self.optimizer.step()
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value

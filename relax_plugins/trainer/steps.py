@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.contracts import OptimizerInfo, TrainerContext
+
 
 class TrainerConfig(BaseModel):
     """Options every built-in train backend takes (a backend's ``Config`` extends it)."""
@@ -32,26 +34,27 @@ class TrainerConfig(BaseModel):
     """torch intra-op threads of this process; null leaves torch's setting alone."""
 
 
-def logprob_temperature(config: TrainerConfig, spec: Any) -> float:
+def logprob_temperature(config: TrainerConfig, context: TrainerContext) -> float:
     """The temperature a trainer scales logits by: the configured one, else the rollout's sampling
     temperature (1 when sampling is greedy), so its log-probs are those of what was sampled."""
-    sampling_t = float(spec.roles.rollout.sampling.temperature)
+    sampling_t = float(context.sampling_temperature)
     return config.logprob_temperature or (sampling_t if sampling_t > 0 else 1.0)
 
 
-def build_optimizer(params: list[Any], spec: Any, backend: str) -> Any:
+def build_optimizer(params: list[Any], optimizer: OptimizerInfo, backend: str) -> Any:
     """The torch optimizer a role's ``optimizer`` block names, over ``params``."""
     import torch
 
-    if spec.name == "adamw":
-        return torch.optim.AdamW(params, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                                 weight_decay=spec.weight_decay)
-    if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                                weight_decay=spec.weight_decay)
-    if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    raise ValueError(f"optimizer '{spec.name}' is not supported by the {backend} trainer; use adamw, adam or sgd")
+    if optimizer.name == "adamw":
+        return torch.optim.AdamW(params, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
+                                 weight_decay=optimizer.weight_decay)
+    if optimizer.name == "adam":
+        return torch.optim.Adam(params, lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
+                                weight_decay=optimizer.weight_decay)
+    if optimizer.name == "sgd":
+        return torch.optim.SGD(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+    raise ValueError(f"optimizer '{optimizer.name}' is not supported by the {backend} trainer; "
+                     "use adamw, adam or sgd")
 
 
 def minibatch_bounds(rows: int, updates: int) -> list[tuple[int, int]]:

@@ -445,9 +445,9 @@ def test_roles_it_cannot_run_here_are_refused(models) -> None:
     path = models["tiny-lm"]
     with pytest.raises(ValueError, match="gradient_checkpointing.*needs a GPU; set it to false on CPU"):
         build_trainer(MegatronTrainer, trainer_spec(path, extra={"roles.actor.gradient_checkpointing": True}), path)
-    from relax.contracts import BackendContext
+    from relax.contracts import ModelInfo, TrainerContext
 
-    context = BackendContext(spec=trainer_spec(path), role="critic", model_path=path)
+    context = TrainerContext(role="critic", model=ModelInfo(path=path))
     with pytest.raises(ValueError, match="roles.critic.backend: torch"):
         MegatronTrainer(MegatronTrainer.Config(), context)
 

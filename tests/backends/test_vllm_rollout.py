@@ -15,7 +15,8 @@ import torch
 
 from relax.spec import validate_spec  # before relax.registry: importing that first is an import cycle
 from relax.algo.batch import collate
-from relax.contracts import BackendContext, PluginKind
+from relax.contracts import PluginKind
+from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -59,15 +60,15 @@ def build_rollout(spec, path: str, **options):
     registry = get_registry()
     backend = spec.roles.rollout.backend
     return registry.load("rollout", backend)(registry.build_config("rollout", backend, options),
-                                             BackendContext(spec=spec, role="rollout", model_path=path))
+                                             rollout_context(spec, path))
 
 
 def build_trainer(spec, path: str):
     registry = get_registry()
     loss_cls = registry.load("losses", "ppo_clip")
     return registry.load("trainer", "torch")(registry.build_config("trainer", "torch", {}),
-                                             BackendContext(spec=spec, role="actor", model_path=path,
-                                                            loss=loss_cls(loss_cls.Config(), spec)))
+                                             trainer_context(spec, "actor", path,
+                                                             loss=loss_cls(loss_cls.Config(), algorithm_context(spec))))
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def test_collective_push_follows_the_trainer_and_is_timed_against_the_rpc_path(e
     import statistics
     import time
 
-    from relax.runtime.weight_group import WeightSender
+    from relax.weight_group import WeightSender
 
     trainer = build_trainer(spec, tiny_model_path)
     sender = WeightSender(engine.weight_group_ranks, timeout_s=120, host="127.0.0.1")

@@ -1,4 +1,5 @@
-"""The advantage and loss plugins read their settings from the spec and call relax.algo."""
+"""The advantage and loss plugins read their settings from their AlgorithmContext (built from the
+spec by relax.plan.contexts) and call relax.algo."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from relax.algo.advantages import grpo_advantages, rloo_advantages
 from relax.algo.batch import collate
 from relax.contracts import Generation
+from relax.plan.contexts import algorithm_context
 from relax.spec import validate_spec
 from relax.spec.models import RunSpec
 from relax.registry import get_registry
@@ -17,7 +19,7 @@ from relax.registry import get_registry
 
 def _build(kind, name, spec, **options):
     registry = get_registry()
-    return registry.load(kind, name)(registry.build_config(kind, name, options), spec)
+    return registry.load(kind, name)(registry.build_config(kind, name, options), algorithm_context(spec))
 
 
 def test_advantage_plugins():

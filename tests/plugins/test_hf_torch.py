@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from relax.algo.batch import collate
-from relax.contracts import BackendContext
+from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 
 #: Prompts of different token lengths, so rows are left-padded.
@@ -18,15 +18,15 @@ N = 3
 def _rollout(spec, path, **options):
     registry = get_registry()
     return registry.load("rollout", "hf")(registry.build_config("rollout", "hf", options),
-                                          BackendContext(spec=spec, role="rollout", model_path=path))
+                                          rollout_context(spec, path))
 
 
 def _trainer(spec, path, role="actor", **options):
     registry = get_registry()
     loss_cls = registry.load("losses", "ppo_clip")
-    loss = loss_cls(loss_cls.Config(), spec)
+    loss = loss_cls(loss_cls.Config(), algorithm_context(spec))
     return registry.load("trainer", "torch")(registry.build_config("trainer", "torch", options),
-                                             BackendContext(spec=spec, role=role, model_path=path, loss=loss))
+                                             trainer_context(spec, role, path, loss=loss))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from relax.runtime.weight_group import WeightSender
+from relax.weight_group import WeightSender
 from tests.plugins.test_hf_torch import N, PROMPTS, _batch, _max_diff, _rollout, _trainer
 
 

@@ -16,7 +16,8 @@ import torch
 
 from relax.spec import validate_spec  # before relax.registry (import order of the package)
 from relax.algo.batch import TrainBatch
-from relax.contracts import BackendContext, PluginKind
+from relax.contracts import PluginKind
+from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.media import MediaError, MediaSet, dumps_context, loads_context
 from relax.registry import get_registry
 from relax.runtime.rows import rollout_columns, train_batch
@@ -56,11 +57,11 @@ def spec(omni_path):
 def backends(spec, omni_path):
     registry = get_registry()
     rollout = registry.load("rollout", "hf")(registry.build_config("rollout", "hf", {}),
-                                             BackendContext(spec=spec, role="rollout", model_path=omni_path))
+                                             rollout_context(spec, omni_path))
     loss_cls = registry.load("losses", "ppo_clip")
     trainer = registry.load("trainer", "torch")(
         registry.build_config("trainer", "torch", {}),
-        BackendContext(spec=spec, role="actor", model_path=omni_path, loss=loss_cls(loss_cls.Config(), spec)))
+        trainer_context(spec, "actor", omni_path, loss=loss_cls(loss_cls.Config(), algorithm_context(spec))))
     return rollout, trainer
 
 

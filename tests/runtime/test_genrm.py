@@ -61,10 +61,11 @@ def test_a_run_scored_by_a_judge_agrees_with_exact_match(tmp_path: Path) -> None
 
 def test_the_judge_is_right_about_most_single_answers() -> None:
     from relax.registry import get_registry
+    from relax.runtime.components import build_reward
     from relax_plugins.datasets.arithmetic import arithmetic_problem
 
     registry = get_registry()
-    judge = registry.load("rewards", "genrm")(registry.build_config("rewards", "genrm", JUDGE_OPTIONS))
+    judge = build_reward("genrm", JUDGE_OPTIONS)  # with the runtime's RewardContext, as a reward worker
     exact = registry.load("rewards", "exact_match")(registry.build_config("rewards", "exact_match", {}))
     rng = random.Random("genrm-test")
     samples = []

@@ -40,9 +40,9 @@ def test_the_omni_preset_trains_on_all_three_modalities_and_reward_rises(tmp_pat
 
 def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_path):
     from relax.bus import Bus, RowMeta
-    from relax.contracts import BackendContext
     from relax.media import MediaSet, loads_context
     from relax.registry import get_registry
+    from relax.plan.contexts import rollout_context, trainer_context
     from relax.runtime.components import build_dataset, build_loss, materialize_model
     from relax.runtime.data import prompt_rows
     from relax.runtime.rows import TRAIN_COLUMNS, media_columns, rollout_columns, train_batch
@@ -52,10 +52,9 @@ def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_pa
     path = materialize_model(spec, base)
     registry = get_registry()
     rollout = registry.load("rollout", "hf")(registry.build_config("rollout", "hf", {}),
-                                             BackendContext(spec=spec, role="rollout", model_path=path))
+                                             rollout_context(spec, path))
     trainer = registry.load("trainer", "torch")(registry.build_config("trainer", "torch", {}),
-                                                BackendContext(spec=spec, role="actor", model_path=path,
-                                                               loss=build_loss(spec)))
+                                                trainer_context(spec, "actor", path, loss=build_loss(spec)))
     media = MediaSet.from_spec(spec, base, tmp_path / "spill")
     rows = prompt_rows(build_dataset(spec, base), [0, 1, 2], "prompt", "answer", media=media)
     assert [loads_context(r["media"])[1][0].modality for r in rows] == ["image", "audio", "video"]

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from relax.runtime.weight_group import WeightGroupError, WeightRecipient, WeightSender, plan_buckets
+from relax.weight_group import WeightGroupError, WeightRecipient, WeightSender, plan_buckets
 
 TIMEOUT_S = 60.0
 

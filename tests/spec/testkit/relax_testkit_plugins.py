@@ -115,8 +115,8 @@ class GroupAdvantage:
     class Config(_Options):
         pass
 
-    def __init__(self, config, spec) -> None:
-        self.config, self.spec = config, spec
+    def __init__(self, config, context) -> None:
+        self.config, self.context = config, context
 
     def compute(self, rewards, group_ids):
         raise NotImplementedError
@@ -132,8 +132,8 @@ class TestLoss:
     class Config(_Options):
         pass
 
-    def __init__(self, config, spec) -> None:
-        self.config, self.spec = config, spec
+    def __init__(self, config, context) -> None:
+        self.config, self.context = config, context
 
     def compute(self, batch, logprobs):
         raise NotImplementedError

@@ -25,6 +25,11 @@ layer by layer and never holds a second full copy.
 The CUDA path is the same code with ``ProcessGroupNCCL`` and the buckets on the current CUDA device
 (chosen by the sender from its tensors' device and told to the receivers through the store); it
 cannot run on a CPU-only machine and is untested here. Imports only torch and the standard library.
+
+Plugin-facing: rollout backends that receive weights collectively (``join_weight_group`` /
+``receive_weights``) may import this module (``WeightRecipient``); the runtime uses the sending
+side (``WeightSender``). It lives outside ``relax.runtime`` so plugins never import the runtime,
+and must stay free of ray (the import-rule test holds it).
 """
 
 from __future__ import annotations

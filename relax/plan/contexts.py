@@ -1,0 +1,91 @@
+"""The typed contexts a run's plugins get, built from its validated spec (pure: no torch, no ray).
+
+Each function reads exactly the parts of the spec its kind of plugin may use and copies them into
+the kind's context of ``relax.contracts``; nothing else of the spec reaches a plugin. The runtime
+builds its plugins through these (``relax.runtime.components``); the same data can be shown or
+stored with a plan, since the contexts are plain data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax.contracts import (
+    AlgorithmContext,
+    MediaInfo,
+    ModelInfo,
+    OptimizerInfo,
+    ParallelInfo,
+    RolloutContext,
+    SamplingInfo,
+    TrainerContext,
+    TrainingInfo,
+)
+from relax.spec.models import RunSpec
+
+#: Model roles a trainer backend is built for.
+TRAINER_ROLES = ("actor", "critic", "reference", "actor_fwd")
+
+
+def model_info(spec: RunSpec, model_path: str) -> ModelInfo:
+    """The run's model at ``model_path`` (the local folder ``model.path`` materialized to)."""
+    return ModelInfo(path=str(model_path), dtype=spec.model.dtype, modalities=tuple(spec.model.modalities))
+
+
+def media_info(spec: RunSpec) -> MediaInfo | None:
+    """The data's media columns and modality options; None for a text run."""
+    if not spec.data.media_keys:
+        return None
+    return MediaInfo(keys=dict(spec.data.media_keys),
+                     options={m: dict(o) for m, o in spec.data.media_options.items()},
+                     on_bad_sample=spec.data.on_bad_sample)
+
+
+def _parallel(role: Any) -> ParallelInfo:
+    par = role.parallel
+    return ParallelInfo(tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep)
+
+
+def sampling_info(spec: RunSpec) -> SamplingInfo:
+    """``roles.rollout.sampling`` as a context's typed copy."""
+    return SamplingInfo.model_validate(spec.roles.rollout.sampling.model_dump())
+
+
+def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu") -> RolloutContext:
+    """What the rollout backend of ``spec`` is built with."""
+    role = spec.roles.rollout
+    return RolloutContext(role="rollout", model=model_info(spec, model_path), sampling=sampling_info(spec),
+                          parallel=_parallel(role), gpu_memory_utilization=role.gpu_memory_utilization,
+                          max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
+                          device=device, seed=spec.seed)
+
+
+def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cpu",
+                    loss: Any = None) -> TrainerContext:
+    """What the trainer backend of model role ``role`` is built with; ``loss`` is the built loss
+    plugin the actor optimises (None for the other roles)."""
+    if role not in TRAINER_ROLES:
+        raise ValueError(f"'{role}' is not a model role; a trainer is built for {', '.join(TRAINER_ROLES)}")
+    block = getattr(spec.roles, role)
+    if block is None:
+        raise ValueError(f"roles.{role} is not in the spec; add a roles.{role} block to build its trainer")
+    optimizer = getattr(block, "optimizer", None)
+    training = None if optimizer is None else TrainingInfo(
+        optimizer=OptimizerInfo.model_validate(optimizer.model_dump()),
+        gradient_checkpointing=bool(getattr(block, "gradient_checkpointing", False)))
+    return TrainerContext(role=role, model=model_info(spec, model_path), parallel=_parallel(block),
+                          micro_batch_size=block.micro_batch_size, training=training,
+                          updates_per_step=spec.algorithm.updates_per_step,
+                          sampling_temperature=spec.roles.rollout.sampling.temperature,
+                          max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
+                          value_clip=spec.algorithm.value_clip, device=device, seed=spec.seed, loss=loss)
+
+
+def algorithm_context(spec: RunSpec) -> AlgorithmContext:
+    """What the run's advantage estimator and loss are built with."""
+    algo = spec.algorithm
+    return AlgorithmContext(clip_low=algo.clip.low, clip_high=algo.clip.high, clip_c=algo.clip.c,
+                            kl_coef=algo.kl_coef, kl_in=algo.kl_in, kl_estimator=algo.kl_estimator,
+                            entropy_coef=algo.entropy_coef, loss_aggregation=algo.loss_aggregation,
+                            correction=spec.async_policy.correction, tis_cap=spec.async_policy.tis_cap,
+                            max_new_tokens=spec.roles.rollout.sampling.max_new_tokens)
