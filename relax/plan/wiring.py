@@ -17,7 +17,7 @@ from typing import Any
 
 from relax.contracts import PluginKind
 from relax.plan.model import PluginUse, RewardUse, RoleInstance, RoleWiring, RolloutWork, WorkerPlan
-from relax.registry import PluginError, get_registry
+from relax.registry import PluginError, get_registry, trait
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
 
@@ -80,9 +80,9 @@ def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
     (a token-level estimator's trait) whose role is present. When there are any, advantages cannot
     be computed inside the rollout worker before the batch reaches the bus."""
     estimator = _estimator(spec)
-    if estimator is None or not getattr(estimator, "token_level", False):
+    if estimator is None or not trait(estimator, PluginKind.advantages, "token_level"):
         return ()
-    needs = getattr(estimator, "needs", frozenset())
+    needs = trait(estimator, PluginKind.advantages, "needs")
     return tuple(sorted(c for c in needs if getattr(spec.roles, ROLE_COLUMNS.get(c, ""), None) is not None))
 
 
@@ -177,7 +177,7 @@ class _WorkerWiring:
         # that reads columns of the critic or the reference waits for them on the bus instead.
         scorer_on_rollout = {"rollout", "reward"} <= roles and spec.roles.rollout.replica_limit == 1
         inline_advantage = {"reward", "advantage"} <= roles and not reads_of_others
-        advantage_tokens = bool(getattr(estimator, "token_level", False)) or critic
+        advantage_tokens = critic or (estimator is not None and trait(estimator, PluginKind.advantages, "token_level"))
         if "rollout" in roles:
             role = spec.roles.rollout
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]

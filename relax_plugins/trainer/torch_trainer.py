@@ -30,13 +30,6 @@ class TorchTrainer:
     #: (``relax_plugins.processing``, shared with the hf rollout).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
-    #: The planner's memory estimate assumes FSDP (weights, gradients and optimizer state sharded
-    #: over data-parallel ranks) for this backend. NOTE: the implementation below does not wrap the
-    #: model in FSDP yet; each data-parallel rank holds a full replica and gradients are summed
-    #: over ranks (see ``train_step``), so on GPUs the real footprint is the ``none`` estimate.
-    #: Kept until FSDP lands: with ``none`` the qwen3-4b-grpo-colocate (82.5 GiB/GPU) and
-    #: qwen3-omni-30b-a3b (475 GiB/GPU) presets no longer plan (issue 15, see its notes).
-    memory_sharding: ClassVar[str] = "full"
 
     class Config(TrainerConfig):
         """Options of the torch train backend."""
