@@ -141,6 +141,10 @@ class PluginUse(PlanPart):
     """The registered name within the kind."""
     options: dict[str, Any] = Field(default_factory=dict)
     """What the plugin's typed ``Config`` is built from, exactly as the worker builds it."""
+    context: dict[str, Any] | None = None
+    """The typed context of its kind (``relax.contracts``: ``RolloutContext``, ``TrainerContext``,
+    ``AlgorithmContext``) as the worker hands it over, except for what only the worker knows: where
+    the model was materialized and which device it got. None for kinds built from options alone."""
 
 
 class RewardUse(PlanPart):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.contracts import PluginKind
+from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.plan.model import PluginUse, RewardUse, RoleInstance, RoleWiring, RolloutWork, WorkerPlan
 from relax.registry import PluginError, get_registry, trait
 from relax.spec.models import RunSpec
@@ -112,16 +113,17 @@ def rollout_work(spec: RunSpec) -> RolloutWork:
 # -- plugins ------------------------------------------------------------------------------------
 
 
-def _use(kind: PluginKind, name: str, options: dict[str, Any]) -> PluginUse:
-    """A plugin with the full options of its typed ``Config`` (defaults filled in), so the plan
-    shows every setting the worker will build it with."""
+def _use(kind: PluginKind, name: str, options: dict[str, Any], context: Any = None) -> PluginUse:
+    """A plugin with the full options of its typed ``Config`` (defaults filled in) and its context,
+    so the plan shows every setting the worker will build it with."""
     registry = get_registry()
+    dumped = None if context is None else context.model_dump(mode="json")
     try:
         config = registry.build_config(kind, name, options)
     except Exception:  # not loadable here (relax plan of a spec for another machine): as written
-        return PluginUse(kind=kind.value, name=name, options=dict(options))
-    dumped = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(options)
-    return PluginUse(kind=kind.value, name=name, options=dumped)
+        return PluginUse(kind=kind.value, name=name, options=dict(options), context=dumped)
+    full = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(options)
+    return PluginUse(kind=kind.value, name=name, options=full, context=dumped)
 
 
 def _backend_options(options: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -183,7 +185,8 @@ class _WorkerWiring:
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
             wired["rollout"] = RoleWiring(
                 role="rollout", task="rollout",
-                plugins=[_use(PluginKind.rollout, role.backend, _backend_options(role.options, self.threads)),
+                plugins=[_use(PluginKind.rollout, role.backend, _backend_options(role.options, self.threads),
+                              rollout_context(spec, spec.model.path)),
                          _dataset(spec, self.base_dir), *media],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to="reward" if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=["rollout"] if self.replica == 0 else [])
@@ -196,8 +199,7 @@ class _WorkerWiring:
         if "reference" in roles:
             wired["reference"] = self._forward("reference", "ref_logprobs", weights_in=None)
         if "critic" in roles:
-            trainer = _use(PluginKind.trainer, spec.roles.critic.backend,
-                           _backend_options(spec.roles.critic.options, self.threads))
+            trainer = self._trainer("critic")
             wired["critic_values"] = RoleWiring(role="critic", task="critic_values", plugins=[trainer],
                                                 reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
                                                 writes=["values"], reports=["critic_values"])
@@ -207,7 +209,7 @@ class _WorkerWiring:
             name, _ = advantage_and_loss(spec)
             wired["advantage"] = RoleWiring(
                 role="advantage", task="advantage",
-                plugins=[_use(PluginKind.advantages, name, spec.algorithm.advantage_options)],
+                plugins=[_use(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))],
                 reads=["rewards", *(["input_ids", "rollout_logprobs", "lengths"] if advantage_tokens else []),
                        *reads_of_others],
                 takes_from="reward" if inline_advantage else None,
@@ -226,18 +228,22 @@ class _WorkerWiring:
                 outgoing.append("object-store")  # an actor_fwd elsewhere loads each version from there
             wired["actor"] = RoleWiring(
                 role="actor", task="actor",
-                plugins=[_use(PluginKind.trainer, spec.roles.actor.backend,
-                              _backend_options(spec.roles.actor.options, self.threads)),
-                         _use(PluginKind.losses, loss, spec.algorithm.loss_options)],
+                plugins=[self._trainer("actor"),
+                         _use(PluginKind.losses, loss, spec.algorithm.loss_options, algorithm_context(spec))],
                 reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=["advantages", *optional],
                 weights_out=outgoing, reports=["actor"])
         return [wired[name] for name in LOOP_ORDER if name in wired]
 
-    def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
+    def _trainer(self, role: str) -> PluginUse:
+        """A model role's trainer backend, its options and context (the model as ``model.path``
+        names it: the worker puts in the folder it was materialized to)."""
         block = getattr(self.spec.roles, role)
+        return _use(PluginKind.trainer, block.backend, _backend_options(block.options, self.threads),
+                    trainer_context(self.spec, role, self.spec.model.path))
+
+    def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"
-        plugins = [] if shared else [_use(PluginKind.trainer, block.backend,
-                                          _backend_options(block.options, self.threads))]
+        plugins = [] if shared else [self._trainer(role)]
         return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec)],
                           waits_for=[RESPONSE_READY], writes=[column], weights_in=weights_in, reports=[role])
 
