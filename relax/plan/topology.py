@@ -4,32 +4,31 @@ the staleness schedule."""
 from __future__ import annotations
 
 from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge
+from relax.roles import FORWARD_COLUMNS, ROLLOUT_COLUMNS, Column, Role
 from relax.spec.models import RunSpec
-
-#: Columns the rollout writes for every sample (see relax.runtime.rows for their layout).
-ROLLOUT_FIELDS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
 
 
 def bus_fields(spec: RunSpec) -> list[BusField]:
     """Every bus column with its single writer and its readers, for the roles this spec runs."""
     roles = spec.roles
-    token_readers = ["actor"] + [r for r in ("reference", "actor_fwd", "critic") if getattr(roles, r) is not None]
+    token_readers = [Role.actor] + [r for r in (Role.reference, Role.actor_fwd, Role.critic)
+                                    if getattr(roles, r) is not None]
     readers = {
-        "prompt": ["reward"], "response": ["reward"], "label": ["reward"],
-        "input_ids": token_readers, "rollout_logprobs": ["actor"], "lengths": token_readers,
+        Column.prompt: [Role.reward], Column.response: [Role.reward], Column.label: [Role.reward],
+        Column.input_ids: token_readers, Column.rollout_logprobs: [Role.actor], Column.lengths: token_readers,
     }
-    fields = [BusField(name=name, writer="rollout", readers=readers[name]) for name in ROLLOUT_FIELDS]
+    fields = [BusField(name=name, writer=Role.rollout, readers=readers[name]) for name in ROLLOUT_COLUMNS]
     if spec.data.media_keys:  # each row's prompt and media references (JSON), never decoded media
-        fields.append(BusField(name="media", writer="rollout", readers=[r for r in token_readers if r != "critic"]))
-    fields.append(BusField(name="rewards", writer="reward", readers=["advantage"]))
-    if roles.reference is not None:
-        fields.append(BusField(name="ref_logprobs", writer="reference", readers=["actor"]))
-    if roles.actor_fwd is not None:
-        fields.append(BusField(name="old_logprobs", writer="actor_fwd", readers=["actor"]))
+        fields.append(BusField(name=Column.media, writer=Role.rollout,
+                               readers=[r for r in token_readers if r != Role.critic]))
+    fields.append(BusField(name=Column.rewards, writer=Role.reward, readers=[Role.advantage]))
+    for role, column in FORWARD_COLUMNS.items():  # reference, then actor_fwd
+        if getattr(roles, role) is not None:
+            fields.append(BusField(name=column, writer=role, readers=[Role.actor]))
     if roles.critic is not None:
-        fields.append(BusField(name="values", writer="critic", readers=["advantage"]))
-        fields.append(BusField(name="returns", writer="advantage", readers=["critic"]))
-    fields.append(BusField(name="advantages", writer="advantage", readers=["actor"]))
+        fields.append(BusField(name=Column.values, writer=Role.critic, readers=[Role.advantage]))
+        fields.append(BusField(name=Column.returns, writer=Role.advantage, readers=[Role.critic]))
+    fields.append(BusField(name=Column.advantages, writer=Role.advantage, readers=[Role.actor]))
     return fields
 
 
@@ -48,12 +47,12 @@ def weight_sync_edges(spec: RunSpec) -> list[WeightSyncEdge]:
         mechanism = "nccl-broadcast" if on_gpu else "gloo-broadcast"
     else:
         mechanism = "object-store"
-    edges = [WeightSyncEdge(source="actor", target="rollout", mechanism=mechanism)]
+    edges = [WeightSyncEdge(source=Role.actor, target=Role.rollout, mechanism=mechanism)]
     if spec.roles.actor_fwd is not None:
         shared = mode in ("colocate", "hybrid")
         # An actor_fwd of its own loads each version from the object store (relax.runtime.workers).
         fwd = ("cuda-ipc" if on_gpu else "in-process") if shared else "object-store"
-        edges.append(WeightSyncEdge(source="actor", target="actor_fwd", mechanism=fwd))
+        edges.append(WeightSyncEdge(source=Role.actor, target=Role.actor_fwd, mechanism=fwd))
     return edges
 
 

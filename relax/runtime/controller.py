@@ -22,14 +22,16 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relax.plan.model import Plan
+from relax.roles import Role
 from relax.runtime.checkpoint import latest_checkpoint
 from relax.runtime.hosts import Host, plan_hosts, report_names, run_roles
 from relax.runtime.metrics import MetricsLog, Progress, step_row
+from relax.runtime.records import RunStatus, SampleCounters
 from relax.runtime.run_state import partition_of
 from relax.spec.models import RunSpec
 from relax.spec.rules import rollout_units
@@ -108,7 +110,7 @@ class Controller:
         self.events: list[dict[str, Any]] = []
         self.scale_requests: queue.Queue[ScaleRequest] = queue.Queue()
         self._consumed = 0
-        self._counters: dict[str, Any] = {}
+        self._counters = SampleCounters()
         self._slots: list[Slot] = []
         self._joins: list[ScaleRequest] = []
         self._next_replica = 0
@@ -227,14 +229,16 @@ class Controller:
     def _launch(self, slot: Slot) -> None:
         import ray
 
-        from relax.runtime.workers import RoleWorker
+        from relax.runtime.workers import RoleWorker, WorkerLaunch
 
         # Threads: run, ready/close, and one weight send per rollout replica (collective weight sync).
         threads = 2 + self.run_spec.roles.rollout.replica_limit
-        slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=threads).remote(
-            self.run_spec, str(self.base_dir), self.model_path, slot.host.roles, self.state, self.attempt_start,
-            str(self.resume_from_path) if self.resume_from_path else None, slot.host.threads, slot.holder,
-            self.carrier, self.spec_hash, self._ranks(slot))
+        launch = WorkerLaunch(spec=self.run_spec, base_dir=str(self.base_dir), model_path=self.model_path,
+                              roles=slot.host.roles, holder=slot.holder, threads=slot.host.threads,
+                              start_step=self.attempt_start,
+                              resume_from=str(self.resume_from_path) if self.resume_from_path else None,
+                              run_carrier=self.carrier, spec_hash=self.spec_hash, ranks=self._ranks(slot))
+        slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=threads).remote(launch, self.state)
 
     def _ranks(self, slot: Slot) -> dict[str, list[Any]]:
         """The ranks of each multi-process model role the worker hosts, with their bundles."""
@@ -273,27 +277,27 @@ class Controller:
             # in place re-reads the step it had not finished).
             self.bus.clear_soon(partition_of(step))
             self.state.forget.remote(partition_of(step), step)
-            self._consumed += reports["actor"].get("samples", 0)
+            self._consumed += reports[Role.actor].get("samples", 0)
             self._counters = self._control(self.state.counters.remote())
-            end = reports["actor"]["end_time"]
+            end = reports[Role.actor]["end_time"]
             row = step_row(step + 1, reports, end - last_end)
             row.update(self._fault_metrics(reports))
             last_end = end
             self.metrics.append(row)
             self.progress.update(row)
             self.telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
-                                       staleness=row["staleness/max"], tokens=reports["rollout"]["response_tokens"])
+                                       staleness=row["staleness/max"], tokens=reports[Role.rollout]["response_tokens"])
             self.step_metrics.export(row)
 
     def _fault_metrics(self, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
         counters = self._counters
-        row = {"samples/produced": counters.get("produced", 0), "samples/consumed": self._consumed,
-               "samples/regenerated": counters.get("regenerated", 0), "samples/dropped": counters.get("dropped", 0),
-               "samples/trained_hash": reports["actor"].get("samples_hash"),
+        row = {"samples/produced": counters.produced, "samples/consumed": self._consumed,
+               "samples/regenerated": counters.regenerated, "samples/dropped": counters.dropped,
+               "samples/trained_hash": reports[Role.actor].get("samples_hash"),
                "rollout/replicas": sum(1 for s in self._slots  # started (ready), not leaving
-                                       if "rollout" in s.host.roles and s.ready_at and not s.draining),
-               "rollout/units": reports["rollout"].get("units", 1),
-               "rollout/step_replicas": reports["rollout"].get("replicas", 1),
+                                       if Role.rollout in s.host.roles and s.ready_at and not s.draining),
+               "rollout/units": reports[Role.rollout].get("units", 1),
+               "rollout/step_replicas": reports[Role.rollout].get("replicas", 1),
                "faults/restarts": sum(self.restarts.values())}
         row.update({f"faults/{role}/restarts": n for role, n in self.restarts.items()})
         return row
@@ -330,9 +334,9 @@ class Controller:
                     self._control(self.state.release.remote(slot.holder))
                 elif result.get("stopped"):
                     raise RunFailed(f"{slot.holder} was stopped before the run ended")
-        status = self._control(self.state.status.remote())
-        if status["stalled_s"] > self.faults.wait_timeout_s:
-            raise RunFailed(f"nothing moved in the run for {status['stalled_s']:.0f} s (fault_tolerance.wait_timeout_s) "
+        status: RunStatus = self._control(self.state.status.remote())
+        if status.stalled_s > self.faults.wait_timeout_s:
+            raise RunFailed(f"nothing moved in the run for {status.stalled_s:.0f} s (fault_tolerance.wait_timeout_s) "
                             "while every worker looked alive; a role waits on something no one will provide")
         beats = self._control(self.state.health.remote())
         watched = {slot.holder: slot.ready_at for slot in self._slots if slot.task is not None}
@@ -452,7 +456,7 @@ class Controller:
     def _scale(self, item: ScaleRequest) -> None:
         """Start applying a scale request. Removed replicas are asked to drain at once; new ones
         are launched here and join (``_join``) once built, without holding up supervision."""
-        rollouts = [s for s in self._slots if "rollout" in s.host.roles and not s.draining]
+        rollouts = [s for s in self._slots if Role.rollout in s.host.roles and not s.draining]
         item.before = len(rollouts)
         # Replicas that host only a rollout can leave, newest first; the one hosting the step loops stays.
         removable = sorted((s for s in rollouts if s.host.replica > 0), key=lambda s: -s.host.replica)
@@ -463,7 +467,7 @@ class Controller:
                                  f"{item.before - len(removable)}")
             for _ in range(item.replicas - item.before):  # grow: each new replica syncs weights first
                 first = rollouts[0].host
-                slot = Slot(Host(["rollout"], first.instance, first.threads, replica=self._next_replica), {})
+                slot = Slot(Host([Role.rollout], first.instance, first.threads, replica=self._next_replica), {})
                 self._next_replica += 1
                 self._slots.append(slot)  # from now on teardown finds it
                 self._move(slot, self.faults.restart_timeout_s)
@@ -509,9 +513,9 @@ class Controller:
                     break
             if item in self._joins and not item.joining:
                 self._joins.remove(item)
-                with self.telemetry.span(SCALE, role="rollout", before=item.before, after=item.replicas):
+                with self.telemetry.span(SCALE, role=Role.rollout, before=item.before, after=item.replicas):
                     pass
-                self.events.append({"at": time.time(), "roles": ["rollout"], "action": "scale",
+                self.events.append({"at": time.time(), "roles": [Role.rollout], "action": "scale",
                                     "reason": f"rollout replicas {item.before} -> {item.replicas}"})
                 self._answer(item, {"rollout": {"before": item.before, "after": item.replicas},
                                     "replicas": self._replicas()})
@@ -522,7 +526,7 @@ class Controller:
         item.done.set()
 
     def _replicas(self) -> list[dict[str, Any]]:
-        return [self._describe(s) for s in self._slots if "rollout" in s.host.roles]
+        return [self._describe(s) for s in self._slots if Role.rollout in s.host.roles]
 
     @staticmethod
     def _describe(slot: Slot) -> dict[str, Any]:
@@ -532,7 +536,7 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """``GET /status``: the workers, the rollout replicas, sample counters and faults so far."""
         return {"workers": [self._describe(s) for s in list(self._slots)], "replicas": self._replicas(),
-                "counters": self._counters, "consumed": self._consumed, "restarts": dict(self.restarts),
+                "counters": asdict(self._counters), "consumed": self._consumed, "restarts": dict(self.restarts),
                 "events": list(self.events)}
 
 

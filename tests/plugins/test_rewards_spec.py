@@ -75,7 +75,7 @@ class RecordingSpan:
 def reward_loop(overrides: dict):
     import torch  # noqa: F401  (the loop builds tensors)
 
-    from relax.runtime.loops import RewardLoop
+    from relax.runtime.roles.reward import RewardLoop
 
     spec = validate_spec({"name": "loop", "tracing": {"exporter": "none"}, **overrides})
     span = RecordingSpan()
