@@ -16,15 +16,20 @@ the training forward reproduces the log-probs of generation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from relax.contracts import Generation
+from relax.roles import OPTIONAL_TOKEN_COLUMNS, Column
 
-__all__ = ["TrainBatch", "collate", "token_logprobs"]
+if TYPE_CHECKING:
+    from relax.bus import BusBatch
+
+__all__ = ["TrainBatch", "collate", "pack_tokens", "token_logprobs"]
 
 
 @dataclass
@@ -63,6 +68,62 @@ class TrainBatch:
     ``relax.media``), from which a trainer rebuilds the model's media inputs; None for text runs.
     The only non-tensor field: ``select`` keeps it aligned with the rows, the column operations
     leave it as it is."""
+
+    @classmethod
+    def from_bus(cls, batch: BusBatch) -> TrainBatch:
+        """The batch of the rows a role took from the bus (``relax.bus.BusBatch``), each row's
+        ``policy_version`` from its metadata: the one conversion between the bus and a trainer."""
+        return cls.from_columns(batch.fields, [m.policy_version for m in batch.meta])
+
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, Any], versions: Sequence[int]) -> TrainBatch:
+        """The batch of a step's bus columns (``relax.roles.Column``; the rollout writes the token
+        columns densely in this module's layout, ``pack_tokens``), read from the bus or still in
+        the memory of the worker that made them.
+
+        Only ``input_ids`` and ``lengths`` (``[B, 2]``: prompt and response tokens per row) are
+        required: forward-only roles read no advantages (they get zeros). A ``media`` column
+        (multimodal runs) becomes the batch's ``media`` contexts. Token columns of other roles
+        (``ref_logprobs``, ``old_logprobs``, ``values``, ``returns``) are attached when present;
+        ``advantages`` may be ``[B]`` (outcome level) or ``[B, T]`` (token level). Token columns
+        are zeroed off the response tokens.
+        """
+        input_ids = columns[Column.input_ids].long()
+        lengths = columns[Column.lengths].long()
+        rows, width = input_ids.shape
+        prompt_width = int(lengths[:, 0].max())
+        column = torch.arange(width).unsqueeze(0)
+        starts = (prompt_width - lengths[:, 0]).unsqueeze(1)
+        ends = (prompt_width + lengths[:, 1]).unsqueeze(1)
+        attention_mask = ((column >= starts) & (column < ends)).long()
+        response_mask = ((column >= prompt_width) & (column < ends)).float()
+
+        def tokens(name: str) -> Tensor | None:
+            value = columns.get(name)
+            return None if value is None else value.float().reshape(rows, width) * response_mask
+
+        advantages = columns.get(Column.advantages)
+        if advantages is None:
+            advantages = torch.zeros(rows)
+        elif advantages.numel() == rows:
+            advantages = advantages.float().reshape(rows)
+        else:
+            advantages = tokens(Column.advantages)
+        rollout = columns.get(Column.rollout_logprobs)
+        optional = {str(name): tokens(name) for name in OPTIONAL_TOKEN_COLUMNS if name in columns}
+        media = columns.get(Column.media)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            response_mask=response_mask,
+            rollout_logprobs=(rollout.float() * response_mask if rollout is not None
+                              else torch.zeros(rows, width)),
+            advantages=advantages,
+            policy_version=torch.tensor(list(versions), dtype=torch.long),
+            media=None if media is None else [str(m) for m in media],
+            **optional,
+        )
 
     @property
     def batch_size(self) -> int:
@@ -159,33 +220,15 @@ def collate(
     response token, like ``Generation.logprobs``. ``pad_to_multiple_of`` rounds the number of
     columns up (the extra columns are right padding).
     """
-    rows = len(generations)
-    if rows == 0:
-        raise ValueError("collate needs at least one generation")
-    for i, g in enumerate(generations):
-        if len(g.logprobs) != len(g.response_ids):
-            raise ValueError(f"generation {i} has {len(g.response_ids)} response tokens but "
-                             f"{len(g.logprobs)} log-probs; give one log-prob per response token")
-        if not g.prompt_ids:
-            raise ValueError(f"generation {i} has an empty prompt; every row needs a prompt token")
+    input_ids, rollout_logprobs = pack_tokens(generations, pad_token_id, pad_to_multiple_of)
+    rows, width = input_ids.shape
     prompt_width = max(len(g.prompt_ids) for g in generations)
-    response_width = max(len(g.response_ids) for g in generations)
-    width = prompt_width + response_width
-    width += -width % max(1, pad_to_multiple_of)
-
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     response_mask = torch.zeros((rows, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
     for i, g in enumerate(generations):
-        start = prompt_width - len(g.prompt_ids)
         end = prompt_width + len(g.response_ids)
-        input_ids[i, start:prompt_width] = torch.tensor(g.prompt_ids, dtype=torch.long)
-        attention_mask[i, start:end] = 1
-        if g.response_ids:
-            input_ids[i, prompt_width:end] = torch.tensor(g.response_ids, dtype=torch.long)
-            response_mask[i, prompt_width:end] = 1.0
-            rollout_logprobs[i, prompt_width:end] = torch.tensor(g.logprobs, dtype=torch.float32)
+        attention_mask[i, prompt_width - len(g.prompt_ids):end] = 1
+        response_mask[i, prompt_width:end] = 1.0
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
     def token_rows(per_row: Sequence[Sequence[float]] | None, name: str) -> Tensor | None:
@@ -233,6 +276,34 @@ def collate(
         values=token_rows(values, "values"),
         returns=token_rows(returns, "returns"),
     )
+
+
+def pack_tokens(generations: Sequence[Generation], pad_token_id: int,
+                pad_to_multiple_of: int = 1) -> tuple[Tensor, Tensor]:
+    """The generations' ``input_ids`` and ``rollout_logprobs`` in this module's layout (``[B, T]``
+    each): what ``collate`` packs, and the dense token columns the rollout puts on the bus."""
+    rows = len(generations)
+    if rows == 0:
+        raise ValueError("collate needs at least one generation")
+    for i, g in enumerate(generations):
+        if len(g.logprobs) != len(g.response_ids):
+            raise ValueError(f"generation {i} has {len(g.response_ids)} response tokens but "
+                             f"{len(g.logprobs)} log-probs; give one log-prob per response token")
+        if not g.prompt_ids:
+            raise ValueError(f"generation {i} has an empty prompt; every row needs a prompt token")
+    prompt_width = max(len(g.prompt_ids) for g in generations)
+    response_width = max(len(g.response_ids) for g in generations)
+    width = prompt_width + response_width
+    width += -width % max(1, pad_to_multiple_of)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    for i, g in enumerate(generations):
+        end = prompt_width + len(g.response_ids)
+        input_ids[i, prompt_width - len(g.prompt_ids):prompt_width] = torch.tensor(g.prompt_ids, dtype=torch.long)
+        if g.response_ids:
+            input_ids[i, prompt_width:end] = torch.tensor(g.response_ids, dtype=torch.long)
+            rollout_logprobs[i, prompt_width:end] = torch.tensor(g.logprobs, dtype=torch.float32)
+    return input_ids, rollout_logprobs
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from relax.plan.model import Bundle, Pool, RoleInstance
+from relax.roles import Role
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import ForwardRole, RunSpec
 from relax.plan.wiring import advantage_reads
@@ -106,7 +107,7 @@ def _rollout_instances(spec: RunSpec, pool: PoolBuilder, bundles: list[int]) -> 
             mine = bundles[replica * rollout.gpus_per_replica:(replica + 1) * rollout.gpus_per_replica]
         first = pool.bundles[mine[0]]
         gpus = [g for i in mine for g in pool.bundles[i].gpus]
-        pool.instances.append(RoleInstance(role="rollout", rank=replica, pool=pool.name, bundles=mine,
+        pool.instances.append(RoleInstance(role=Role.rollout, rank=replica, pool=pool.name, bundles=mine,
                                            node=first.node, gpus=gpus, coords={"replica": replica}))
 
 
@@ -131,15 +132,15 @@ def _reward_workers(spec: RunSpec, cursor: GpuCursor | None, pool: PoolBuilder, 
     (a model-based reward's judge runs there)."""
     reward = spec.roles.reward
     if reward.gpus_per_replica == 0:
-        _cpu_workers(pool, "reward", reward.replicas, cpus)
+        _cpu_workers(pool, Role.reward, reward.replicas, cpus)
         return
-    pool.roles.append("reward")
+    pool.roles.append(Role.reward)
     bundles = pool.add_gpu_bundles(_take_units(cursor, reward.replicas * reward.gpus_per_replica,
                                                reward.gpus_per_replica, "roles.reward.gpus_per_replica"))
     for rank in range(reward.replicas):
         mine = bundles[rank * reward.gpus_per_replica:(rank + 1) * reward.gpus_per_replica]
         first = pool.bundles[mine[0]]
-        pool.instances.append(RoleInstance(role="reward", rank=rank, pool=pool.name, bundles=mine, node=first.node,
+        pool.instances.append(RoleInstance(role=Role.reward, rank=rank, pool=pool.name, bundles=mine, node=first.node,
                                            gpus=[g for i in mine for g in pool.bundles[i].gpus],
                                            coords={"replica": rank}))
 
@@ -148,15 +149,15 @@ def _score_in_rollout(spec: RunSpec, builders: list[PoolBuilder]) -> None:
     """``roles.reward.host: rollout``: a scorer rides on each rollout engine's first bundle, and
     outside hybrid mode the advantage estimator rides with the first one."""
     pool = next(b for b in builders if b.name in ("rollout", "colocate"))
-    engines = [i for i in pool.instances if i.role == "rollout"]
-    pool.roles.append("reward")
+    engines = [i for i in pool.instances if i.role == Role.rollout]
+    pool.roles.append(Role.reward)
     for engine in engines:
-        pool.instances.append(RoleInstance(role="reward", rank=engine.rank, pool=pool.name,
+        pool.instances.append(RoleInstance(role=Role.reward, rank=engine.rank, pool=pool.name,
                                            bundles=engine.bundles[:1], node=engine.node))
     if spec.placement.mode != "hybrid" and not advantage_reads(spec):
-        pool.roles.append("advantage")
+        pool.roles.append(Role.advantage)
         first = engines[0]
-        pool.instances.append(RoleInstance(role="advantage", rank=0, pool=pool.name,
+        pool.instances.append(RoleInstance(role=Role.advantage, rank=0, pool=pool.name,
                                            bundles=first.bundles[:1], node=first.node))
 
 
@@ -177,30 +178,30 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
 
     rollout_unit = max(1, roles.rollout.gpus_per_replica)
     if mode == "colocate":
-        pool = PoolBuilder(name="colocate", roles=["actor", "rollout"])
+        pool = PoolBuilder(name="colocate", roles=[Role.actor, Role.rollout])
         bundles = pool.add_gpu_bundles(_take_units(cursor, roles.actor.gpus, math.lcm(roles.actor.parallel.tp, rollout_unit),
                                                    "roles.actor.parallel.tp"))
         if not bundles:
             bundles = [pool.add_cpu_bundle(1.0)]
-        _trained_instances("actor", roles.actor, pool, bundles)
+        _trained_instances(Role.actor, roles.actor, pool, bundles)
         _rollout_instances(spec, pool, bundles if roles.rollout.gpus_per_replica else [bundles[0]] * roles.rollout.replicas)
         for name, role in trained.items():
-            if name != "actor":
+            if name != Role.actor:
                 pool.roles.append(name)
                 _trained_instances(name, role, pool, bundles)
         builders.append(pool)
     else:
-        rollout_pool = PoolBuilder(name="rollout", roles=["rollout"])
+        rollout_pool = PoolBuilder(name="rollout", roles=[Role.rollout])
         bundles = rollout_pool.add_gpu_bundles(
             _take_units(cursor, roles.rollout.gpus, rollout_unit, "roles.rollout.gpus_per_replica"))
         _rollout_instances(spec, rollout_pool, bundles)
         builders.append(rollout_pool)
-        actor_pool = trained_pool("actor", roles.actor)
+        actor_pool = trained_pool(Role.actor, roles.actor)
         actor_bundles = [i.bundles[0] for i in actor_pool.instances]
         for name, role in trained.items():
-            if name == "actor":
+            if name == Role.actor:
                 continue
-            if mode == "hybrid" and name in ("reference", "actor_fwd"):
+            if mode == "hybrid" and name in (Role.reference, Role.actor_fwd):
                 actor_pool.roles.append(name)
                 _trained_instances(name, role, actor_pool, actor_bundles)
             else:
@@ -217,17 +218,17 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
         # in memory instead of through another bus round trip.
         scoring = PoolBuilder(name="scoring")
         _reward_workers(spec, cursor, scoring, roles.reward.cpus + roles.advantage.cpus)
-        scoring.roles.append("advantage")
+        scoring.roles.append(Role.advantage)
         for rank in range(roles.advantage.replicas):
             index = 0 if rank == 0 else scoring.add_cpu_bundle(roles.advantage.cpus)
-            scoring.instances.append(RoleInstance(role="advantage", rank=rank, pool=scoring.name,
+            scoring.instances.append(RoleInstance(role=Role.advantage, rank=rank, pool=scoring.name,
                                                   bundles=[index], node=0))
         builders.append(scoring)
     if mode == "hybrid" or (roles.reward.host == "rollout" and advantage_reads(spec)):
         # The estimator reads columns of the critic or the reference: it waits for them beside
         # the actor rather than in the rollout worker, which would stall generation.
         actor_pool = next(b for b in builders if b.name in ("actor", "colocate"))
-        _cpu_workers(actor_pool, "advantage", roles.advantage.replicas, roles.advantage.cpus)
+        _cpu_workers(actor_pool, Role.advantage, roles.advantage.replicas, roles.advantage.cpus)
     pools = [b.build(single_node) for b in builders]
     instances = [i for b in builders for i in b.instances]
     return pools, instances

@@ -4,12 +4,12 @@ weight-sync edges; and the staleness schedule."""
 from __future__ import annotations
 
 from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge, WorkerPlan
-from relax.plan.wiring import MEDIA_COLUMN, ROLLOUT_COLUMNS
+from relax.roles import ROLLOUT_COLUMNS, Column, Role
 from relax.spec.models import RunSpec
 
 #: The order in which ``relax plan`` lists the bus columns (data order).
-COLUMN_ORDER = (*ROLLOUT_COLUMNS, MEDIA_COLUMN, "rewards", "ref_logprobs", "old_logprobs", "values", "returns",
-                "advantages")
+COLUMN_ORDER = (*ROLLOUT_COLUMNS, Column.media, Column.rewards, Column.ref_logprobs, Column.old_logprobs,
+                Column.values, Column.returns, Column.advantages)
 
 
 def bus_fields(workers: list[WorkerPlan]) -> list[BusField]:
@@ -38,9 +38,9 @@ def weight_sync_edges(workers: list[WorkerPlan], on_gpu: bool) -> list[WeightSyn
     for worker in workers:
         for loop in worker.roles:
             if loop.weights_in is not None and loop.role not in edges:
-                edges[loop.role] = WeightSyncEdge(source="actor", target=loop.role,
+                edges[loop.role] = WeightSyncEdge(source=Role.actor, target=loop.role,
                                                   mechanism=mechanisms[loop.weights_in])
-    return [edges[role] for role in ("rollout", "actor_fwd") if role in edges]
+    return [edges[role] for role in (Role.rollout, Role.actor_fwd) if role in edges]
 
 
 def staleness_schedule(spec: RunSpec, shown_steps: int = 4) -> StalenessSchedule:

@@ -19,31 +19,30 @@ from relax.contracts import PluginKind
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.plan.model import PluginUse, RewardUse, RoleInstance, RoleWiring, RolloutWork, WorkerPlan
 from relax.registry import PluginError, get_registry, trait
+from relax.roles import (
+    CRITIC_VALUES,
+    MODEL_ROLES,
+    OPTIONAL_ROLES,
+    RANKED_ROLES,
+    ROLLOUT_COLUMNS,
+    STEP_ROLES,
+    TOKEN_COLUMNS,
+    TRAIN_COLUMNS,
+    Column,
+    Role,
+)
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
 
-#: Columns the rollout writes for every sample: text for the rewards, tokens in the trainer's layout.
-ROLLOUT_COLUMNS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
-#: Columns the actor always reads.
-TRAIN_COLUMNS = ("input_ids", "rollout_logprobs", "lengths", "advantages")
-#: Columns a model role reads to rebuild a sample's tokens.
-TOKEN_COLUMNS = ("input_ids", "lengths")
-#: Per row, a multimodal sample's prompt and media references (JSON); only when the data has media.
-MEDIA_COLUMN = "media"
-#: Not a column: announced once a step's rollout rows are on the bus (what readers of them wait for).
-RESPONSE_READY = "response"
+#: Not a column of its own: ``response`` is announced once a step's rollout rows are on the bus,
+#: which is what readers of those rows wait for.
+RESPONSE_READY = Column.response
 
-#: Roles every run has, in data order.
-STEP_ROLES = ("rollout", "reward", "advantage", "actor")
-#: Model roles a spec may add (each a block under ``roles``).
-OPTIONAL_ROLES = ("reference", "critic", "actor_fwd")
-MODEL_ROLES = frozenset({"rollout", "actor", *OPTIONAL_ROLES})
-#: Model roles whose planned instances are the ranks of one model (not independent replicas).
-RANKED_ROLES = ("actor", *OPTIONAL_ROLES)
 #: Token columns of other model roles an advantage estimator may read (its ``needs``), and their writer.
-ROLE_COLUMNS = {"values": "critic", "ref_logprobs": "reference"}
+ROLE_COLUMNS = {Column.values: Role.critic, Column.ref_logprobs: Role.reference}
 #: The order in which a worker runs its role loops each step (data order).
-LOOP_ORDER = ("rollout", "reward", "reference", "critic_values", "advantage", "actor_fwd", "actor", "critic")
+LOOP_ORDER = (Role.rollout, Role.reward, Role.reference, CRITIC_VALUES, Role.advantage, Role.actor_fwd, Role.actor,
+              Role.critic)
 
 
 # -- resolvers ----------------------------------------------------------------------------------
@@ -149,13 +148,13 @@ def _rewards(spec: RunSpec) -> list[RewardUse]:
 
 
 def _media(spec: RunSpec) -> tuple[str, ...]:
-    return (MEDIA_COLUMN,) if spec.data.media_keys else ()
+    return (Column.media,) if spec.data.media_keys else ()
 
 
 def _weights_channel(spec: RunSpec, roles: set[str]) -> str:
     """How policy weights move between the actor and a rollout: in memory in one process,
     over a weight group (``collective``), or through Ray's object store."""
-    if {"rollout", "actor"} <= roles:
+    if {Role.rollout, Role.actor} <= roles:
         return "in-process"
     return "collective" if weight_sync(spec) == "collective" else "object-store"
 
@@ -177,61 +176,61 @@ class _WorkerWiring:
         # scorer rides on the rollout only when one replica makes whole steps (with several, a
         # step's units come from different processes and are scored from the bus). An estimator
         # that reads columns of the critic or the reference waits for them on the bus instead.
-        scorer_on_rollout = {"rollout", "reward"} <= roles and spec.roles.rollout.replica_limit == 1
-        inline_advantage = {"reward", "advantage"} <= roles and not reads_of_others
+        scorer_on_rollout = {Role.rollout, Role.reward} <= roles and spec.roles.rollout.replica_limit == 1
+        inline_advantage = {Role.reward, Role.advantage} <= roles and not reads_of_others
         advantage_tokens = critic or (estimator is not None and trait(estimator, PluginKind.advantages, "token_level"))
-        if "rollout" in roles:
+        if Role.rollout in roles:
             role = spec.roles.rollout
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
-            wired["rollout"] = RoleWiring(
-                role="rollout", task="rollout",
+            wired[Role.rollout] = RoleWiring(
+                role=Role.rollout, task=Role.rollout,
                 plugins=[_use(PluginKind.rollout, role.backend, _backend_options(role.options, self.threads),
                               rollout_context(spec, spec.model.path)),
                          _dataset(spec, self.base_dir), *media],
-                writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to="reward" if scorer_on_rollout else None,
-                weights_in=_weights_channel(spec, roles), reports=["rollout"] if self.replica == 0 else [])
-        if "reward" in roles:
-            wired["reward"] = RoleWiring(
-                role="reward", task="reward", rewards=_rewards(spec), reads=["prompt", "response", "label"],
-                takes_from="rollout" if scorer_on_rollout else None,
-                waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=["rewards"],
-                hands_to="advantage" if inline_advantage else None, reports=["reward"])
-        if "reference" in roles:
-            wired["reference"] = self._forward("reference", "ref_logprobs", weights_in=None)
-        if "critic" in roles:
-            trainer = self._trainer("critic")
-            wired["critic_values"] = RoleWiring(role="critic", task="critic_values", plugins=[trainer],
+                writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to=Role.reward if scorer_on_rollout else None,
+                weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
+        if Role.reward in roles:
+            wired[Role.reward] = RoleWiring(
+                role=Role.reward, task=Role.reward, rewards=_rewards(spec), reads=[Column.prompt, Column.response, Column.label],
+                takes_from=Role.rollout if scorer_on_rollout else None,
+                waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=[Column.rewards],
+                hands_to=Role.advantage if inline_advantage else None, reports=[Role.reward])
+        if Role.reference in roles:
+            wired[Role.reference] = self._forward(Role.reference, Column.ref_logprobs, weights_in=None)
+        if Role.critic in roles:
+            trainer = self._trainer(Role.critic)
+            wired[CRITIC_VALUES] = RoleWiring(role=Role.critic, task=CRITIC_VALUES, plugins=[trainer],
                                                 reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
-                                                writes=["values"], reports=["critic_values"])
-            wired["critic"] = RoleWiring(role="critic", task="critic", reads=[*TOKEN_COLUMNS, "values", "returns"],
-                                         waits_for=["returns"], reports=["critic"])
-        if "advantage" in roles:
+                                                writes=[Column.values], reports=[CRITIC_VALUES])
+            wired[Role.critic] = RoleWiring(role=Role.critic, task=Role.critic, reads=[*TOKEN_COLUMNS, Column.values, Column.returns],
+                                         waits_for=[Column.returns], reports=[Role.critic])
+        if Role.advantage in roles:
             name, _ = advantage_and_loss(spec)
-            wired["advantage"] = RoleWiring(
-                role="advantage", task="advantage",
+            wired[Role.advantage] = RoleWiring(
+                role=Role.advantage, task=Role.advantage,
                 plugins=[_use(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))],
-                reads=["rewards", *(["input_ids", "rollout_logprobs", "lengths"] if advantage_tokens else []),
+                reads=[Column.rewards, *([Column.input_ids, Column.rollout_logprobs, Column.lengths] if advantage_tokens else []),
                        *reads_of_others],
-                takes_from="reward" if inline_advantage else None,
-                waits_for=[] if inline_advantage else ["rewards", *reads_of_others],
-                writes=["advantages", *(["returns"] if critic else [])], reports=["advantage"])
-        if "actor_fwd" in roles:
-            wired["actor_fwd"] = self._forward("actor_fwd", "old_logprobs",
-                                               weights_in="shared" if "actor" in roles else "object-store")
-        if "actor" in roles:
-            optional = [c for c, r in (("ref_logprobs", "reference"), ("old_logprobs", "actor_fwd"))
+                takes_from=Role.reward if inline_advantage else None,
+                waits_for=[] if inline_advantage else [Column.rewards, *reads_of_others],
+                writes=[Column.advantages, *([Column.returns] if critic else [])], reports=[Role.advantage])
+        if Role.actor_fwd in roles:
+            wired[Role.actor_fwd] = self._forward(Role.actor_fwd, Column.old_logprobs,
+                                               weights_in="shared" if Role.actor in roles else "object-store")
+        if Role.actor in roles:
+            optional = [c for c, r in ((Column.ref_logprobs, Role.reference), (Column.old_logprobs, Role.actor_fwd))
                         if getattr(spec.roles, r) is not None]
             _, loss = advantage_and_loss(spec)
             out = _weights_channel(spec, roles)
             outgoing = [out]
-            if spec.roles.actor_fwd is not None and "actor_fwd" not in roles and out != "object-store":
+            if spec.roles.actor_fwd is not None and Role.actor_fwd not in roles and out != "object-store":
                 outgoing.append("object-store")  # an actor_fwd elsewhere loads each version from there
-            wired["actor"] = RoleWiring(
-                role="actor", task="actor",
-                plugins=[self._trainer("actor"),
+            wired[Role.actor] = RoleWiring(
+                role=Role.actor, task=Role.actor,
+                plugins=[self._trainer(Role.actor),
                          _use(PluginKind.losses, loss, spec.algorithm.loss_options, algorithm_context(spec))],
-                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=["advantages", *optional],
-                weights_out=outgoing, reports=["actor"])
+                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=[Column.advantages, *optional],
+                weights_out=outgoing, reports=[Role.actor])
         return [wired[name] for name in LOOP_ORDER if name in wired]
 
     def _trainer(self, role: str) -> PluginUse:
@@ -275,7 +274,7 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
     for role in roles:
         first = of(role)[0]
         by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
-    replicas = of("rollout")[1:]
+    replicas = of(Role.rollout)[1:]
     extra_ranks = sum(len(of(role)) - 1 for role in RANKED_ROLES if role in roles)
     model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
                        + len(replicas) + extra_ranks)
@@ -283,11 +282,11 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
     workers = []
     for group in by_bundle.values():
         names = [i.role for i in group]
-        anchor = next((i for i in group if i.role == "actor"), group[0])
+        anchor = next((i for i in group if i.role == Role.actor), group[0])
         own = threads if MODEL_ROLES & set(names) else 1
         ranks = {role: [i.rank for i in of(role)] for role in names if role in RANKED_ROLES and len(of(role)) > 1}
         workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks))
-    workers += [_worker(spec, base_dir, ["rollout"], instance, threads, instance.rank, {}) for instance in replicas]
+    workers += [_worker(spec, base_dir, [Role.rollout], instance, threads, instance.rank, {}) for instance in replicas]
     return workers
 
 

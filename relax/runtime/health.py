@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from relax.runtime.records import Beat
+
 
 class Activity:
     """What a worker does right now: a label, and when its current piece of work began."""
@@ -74,7 +76,7 @@ class Verdict:
     reason: str
 
 
-def hung_workers(beats: dict[str, dict[str, Any]], watched: dict[str, float], now: float,
+def hung_workers(beats: dict[str, Beat], watched: dict[str, float], now: float,
                  heartbeat_timeout_s: float, progress_timeout_s: float) -> list[Verdict]:
     """Workers (of ``watched``: holder -> when it became ready) that are frozen or stuck.
 
@@ -83,13 +85,13 @@ def hung_workers(beats: dict[str, dict[str, Any]], watched: dict[str, float], no
     verdicts = []
     for holder, ready_at in watched.items():
         beat = beats.get(holder)
-        last = max(ready_at, beat["at"]) if beat else ready_at
+        last = max(ready_at, beat.at) if beat else ready_at
         if now - last > heartbeat_timeout_s:
             verdicts.append(Verdict(holder, f"no heartbeat for {now - last:.0f} s (fault_tolerance."
                                             f"heartbeat_timeout_s={heartbeat_timeout_s:g}): the process is "
                                             "frozen or its node is lost"))
-        elif beat and beat["busy_since"] is not None and now - beat["busy_since"] > progress_timeout_s:
-            verdicts.append(Verdict(holder, f"busy with {beat['activity']} for {now - beat['busy_since']:.0f} s "
+        elif beat and beat.busy_since is not None and now - beat.busy_since > progress_timeout_s:
+            verdicts.append(Verdict(holder, f"busy with {beat.activity} for {now - beat.busy_since:.0f} s "
                                             f"(fault_tolerance.progress_timeout_s={progress_timeout_s:g}): it "
                                             "stopped making progress"))
     return verdicts

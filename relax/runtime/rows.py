@@ -4,7 +4,12 @@ Token data travels as dense tensors in the trainer's own layout (``relax.algo.ba
 ``[left pad][prompt][response][right pad]`` in ``input_ids`` and ``rollout_logprobs``, plus
 ``lengths`` (prompt and response length). One dense tensor per column costs the bus a third of
 what a list of per-row tensors costs (measured: 19 ms against 58 ms to put 128 rows here), and the
-actor rebuilds its ``TrainBatch`` without re-padding. The text columns are what rewards read.
+actor rebuilds its ``TrainBatch`` without re-padding (``TrainBatch.from_bus``). The text columns
+are what rewards read. The column names and groups are ``relax.roles``'s.
+
+A batch's forms, from the rollout to the optimizer: the rollout backend's ``Generation`` list ->
+bus columns (``rollout_columns``, a ``dict`` of ``Column`` -> tensor or list) -> ``relax.bus.BusBatch``
+(what a role takes from the bus) -> ``relax.algo.batch.TrainBatch`` (``TrainBatch.from_bus``).
 """
 
 from __future__ import annotations
@@ -14,35 +19,26 @@ from typing import Any
 
 import torch
 
-from relax.algo.batch import TrainBatch, collate
+from relax.algo.batch import TrainBatch, pack_tokens
 from relax.contracts import Generation
-
-#: Columns the rollout writes for every sample.
-ROLLOUT_COLUMNS = ("prompt", "response", "label", "input_ids", "rollout_logprobs", "lengths")
-#: Columns the actor always reads.
-TRAIN_COLUMNS = ("input_ids", "rollout_logprobs", "lengths", "advantages")
-#: Columns a role needs to rebuild a sample's tokens (reference, critic and actor_fwd read these).
-TOKEN_COLUMNS = ("input_ids", "lengths")
-#: Token columns written by other roles, attached to a ``TrainBatch`` when read.
-OPTIONAL_TOKEN_COLUMNS = ("ref_logprobs", "old_logprobs", "values", "returns")
-#: Per row, a multimodal sample's context (prompt text and media references) as a JSON string: the
-#: media travel by reference, never decoded (see ``relax.media``). Written only when the data has media.
-MEDIA_COLUMN = "media"
+from relax.roles import TOKEN_COLUMNS, Column
 
 
-def media_columns(spec: Any) -> tuple[str, ...]:
-    """The media column, for a run whose data has media (``data.media_keys``); else nothing."""
-    return (MEDIA_COLUMN,) if spec.data.media_keys else ()
+def media_columns(spec: Any) -> tuple[Column, ...]:
+    """The media column, for a run whose data has media (``data.media_keys``); else nothing: per
+    row, a multimodal sample's context (prompt text and media references) as a JSON string (the
+    media travel by reference, never decoded: see ``relax.media``)."""
+    return (Column.media,) if spec.data.media_keys else ()
 
 
-def token_columns(spec: Any) -> tuple[str, ...]:
+def token_columns(spec: Any) -> tuple[Column, ...]:
     """What a model role reads to rebuild a sample's model inputs: the tokens, and the media
     references of a multimodal run."""
     return (*TOKEN_COLUMNS, *media_columns(spec))
 
 
 def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: Sequence[Any],
-                    pad_token_id: int, media: Sequence[str] | None = None, ragged: bool = False) -> dict[str, Any]:
+                    pad_token_id: int, media: Sequence[str] | None = None, ragged: bool = False) -> dict[Column, Any]:
     """The bus columns of a step's generations (``prompts``/``labels``/``media`` indexed by
     prompt_index; ``media`` holds each prompt's JSON context when the data has media).
 
@@ -55,23 +51,22 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
         logprobs: Any = [torch.tensor([0.0] * len(g.prompt_ids) + list(g.logprobs), dtype=torch.float32)
                          for g in gens]
     else:
-        packed = collate(gens, torch.zeros(len(gens)), pad_token_id)
-        input_ids, logprobs = packed.input_ids, packed.rollout_logprobs
+        input_ids, logprobs = pack_tokens(gens, pad_token_id)
     columns = {
-        "prompt": [prompts[g.prompt_index] for g in gens],
-        "response": [g.text for g in gens],
-        "label": [labels[g.prompt_index] for g in gens],
-        "input_ids": input_ids,
-        "rollout_logprobs": logprobs,
-        "lengths": lengths,
+        Column.prompt: [prompts[g.prompt_index] for g in gens],
+        Column.response: [g.text for g in gens],
+        Column.label: [labels[g.prompt_index] for g in gens],
+        Column.input_ids: input_ids,
+        Column.rollout_logprobs: logprobs,
+        Column.lengths: lengths,
     }
     if media is not None:
-        columns[MEDIA_COLUMN] = [str(media[g.prompt_index]) for g in gens]
+        columns[Column.media] = [str(media[g.prompt_index]) for g in gens]
     return columns
 
 
 #: Token columns the rollout writes ragged when a step comes in several units.
-RAGGED_COLUMNS = ("input_ids", "rollout_logprobs")
+RAGGED_COLUMNS = (Column.input_ids, Column.rollout_logprobs)
 
 
 def restack(batch: Any, keep_ragged: bool) -> Any:
@@ -91,7 +86,7 @@ def relayout(batch: Any) -> Any:
     """A ``BusBatch`` whose ragged token columns (``rollout_columns(ragged=True)``) are laid out as
     one dense tensor in the trainer's layout, the prompts right-aligned at the batch's widest
     prompt. Columns other roles wrote for the whole step are dense already and stay as they are."""
-    lengths = batch.fields.get("lengths")
+    lengths = batch.fields.get(Column.lengths)
     ragged = [name for name in RAGGED_COLUMNS if isinstance(batch.fields.get(name), list)]
     if lengths is None or not ragged:
         return batch
@@ -106,52 +101,6 @@ def relayout(batch: Any) -> Any:
             dense[i, start:start + row.shape[0]] = row
         batch.fields[name] = dense
     return batch
-
-
-def train_batch(columns: dict[str, Any], versions: Sequence[int]) -> TrainBatch:
-    """The ``TrainBatch`` of the columns a role read (the inverse of ``rollout_columns``).
-
-    Only ``input_ids`` and ``lengths`` are required: forward-only roles read no advantages (they
-    get zeros). A ``media`` column (multimodal runs) becomes the batch's ``media`` contexts. Optional token columns of other roles (``ref_logprobs``, ``old_logprobs``,
-    ``values``, ``returns``) are attached when present; ``advantages`` may be ``[B]`` (outcome
-    level) or ``[B, T]`` (token level). Token columns are zeroed off the response tokens.
-    """
-    input_ids = columns["input_ids"].long()
-    lengths = columns["lengths"].long()
-    rows, width = input_ids.shape
-    prompt_width = int(lengths[:, 0].max())
-    column = torch.arange(width).unsqueeze(0)
-    starts = (prompt_width - lengths[:, 0]).unsqueeze(1)
-    ends = (prompt_width + lengths[:, 1]).unsqueeze(1)
-    attention_mask = ((column >= starts) & (column < ends)).long()
-    response_mask = ((column >= prompt_width) & (column < ends)).float()
-
-    def tokens(name: str) -> torch.Tensor | None:
-        value = columns.get(name)
-        return None if value is None else value.float().reshape(rows, width) * response_mask
-
-    advantages = columns.get("advantages")
-    if advantages is None:
-        advantages = torch.zeros(rows)
-    elif advantages.numel() == rows:
-        advantages = advantages.float().reshape(rows)
-    else:
-        advantages = tokens("advantages")
-    rollout = columns.get("rollout_logprobs")
-    optional = {name: tokens(name) for name in OPTIONAL_TOKEN_COLUMNS if name in columns}
-    media = columns.get(MEDIA_COLUMN)
-    return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        response_mask=response_mask,
-        rollout_logprobs=(rollout.float() * response_mask if rollout is not None
-                          else torch.zeros(rows, width)),
-        advantages=advantages,
-        policy_version=torch.tensor(list(versions), dtype=torch.long),
-        media=None if media is None else [str(m) for m in media],
-        **optional,
-    )
 
 
 def token_column(batch: TrainBatch, values: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from relax.runtime.ledger import RolloutLedger
+from relax.runtime.records import Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, UnitInfo
 
 
 def partition_of(step: int) -> str:
@@ -28,7 +29,7 @@ class RunState:
     def __init__(self, ledger: RolloutLedger | None = None) -> None:
         self._ledger = ledger
         self._draining: set[str] = set()
-        self._beats: dict[str, dict[str, Any]] = {}
+        self._beats: dict[str, Beat] = {}
         self._done_steps: dict[str, int] = {}
         self._moved_at = time.time()
         self._cond = asyncio.Condition()
@@ -60,10 +61,10 @@ class RunState:
         self._version, self._weights = version, weights
         await self._notify()
 
-    async def wait_version(self, min_version: int, timeout_s: float) -> tuple[int, list[Any]] | None:
+    async def wait_version(self, min_version: int, timeout_s: float) -> PolicyVersion | None:
         """The newest published version once it is at least ``min_version``; None on timeout or stop."""
         ok = await self._wait(lambda: self._version >= min_version, timeout_s)
-        return (self._version, self._weights) if ok else None
+        return PolicyVersion(self._version, self._weights) if ok else None
 
     async def register_weight_sender(self, worker: Any) -> None:
         """The actor's worker, which sends weights to rollout replicas over weight groups
@@ -93,9 +94,9 @@ class RunState:
     # -- the rollout work ledger (see relax.runtime.ledger) ---------------------------------------
 
     async def lease(self, holder: str, max_staleness: int, only_step: int | None,
-                    timeout_s: float) -> dict[str, Any] | None:
-        """The next unit of rollout work for ``holder``: ``{"unit": ...}``; ``{"done": True}`` once
-        ``only_step`` is complete (or, without it, every step is); ``{"drain": True}`` when the
+                    timeout_s: float) -> Lease | None:
+        """The next unit of rollout work for ``holder``: ``Lease(unit=...)``; ``Lease(done=True)``
+        once ``only_step`` is complete (or, without it, every step is); ``Lease(drain=True)`` when the
         replica is being removed; None on timeout or stop. Without ``only_step`` a unit of step s
         is leased only once policy version s - max_staleness is published (admission control)."""
         ledger = self._ledger
@@ -104,14 +105,14 @@ class RunState:
         async with self._cond:
             while not self._stopped:
                 if holder in self._draining:
-                    return {"drain": True}
+                    return Lease(drain=True)
                 if only_step is not None and ledger.step_done(only_step):
-                    return {"done": True}
+                    return Lease(done=True)
                 unit = ledger.lease(holder, self._version + max_staleness, only_step)
                 if unit is not None:
-                    return {"unit": unit}
+                    return Lease(unit=unit)
                 if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
-                    return {"done": True}
+                    return Lease(done=True)
                 try:
                     await asyncio.wait_for(self._cond.wait(), max(deadline - loop.time(), 0.0))
                 except TimeoutError:
@@ -141,11 +142,11 @@ class RunState:
         self._draining.add(holder)
         await self._notify()
 
-    async def unit_info(self, step: int) -> dict[str, Any]:
+    async def unit_info(self, step: int) -> UnitInfo:
         """What a reader of a step needs: how many units, which attempt of each counts, and
         whether any unit was retried (then orphan rows may be on the bus)."""
         ledger = self._ledger
-        return {"units": ledger.units_per_step, "accepted": ledger.accepted(step), "retried": ledger.retried(step)}
+        return UnitInfo(units=ledger.units_per_step, accepted=ledger.accepted(step), retried=ledger.retried(step))
 
     async def drop(self, step: int, unit: int, attempt: int, rows: int) -> None:
         self._ledger.drop(step, unit, attempt, rows)
@@ -153,25 +154,25 @@ class RunState:
     async def step_stats(self, step: int) -> list[dict[str, Any]]:
         return self._ledger.step_stats(step)
 
-    async def counters(self) -> dict[str, Any]:
+    async def counters(self) -> SampleCounters:
         c = self._ledger.counters
-        return {"produced": c.produced, "regenerated": c.regenerated, "dropped": c.dropped,
-                "by_holder": dict(c.by_holder)}
+        return SampleCounters(produced=c.produced, regenerated=c.regenerated, dropped=c.dropped,
+                              by_holder=dict(c.by_holder))
 
     # -- health ------------------------------------------------------------------------------------
 
     async def beat(self, holder: str, activity: str, busy_since: float | None) -> None:
         """A worker is alive; ``busy_since`` is when its current piece of work began (None while it
         waits on others)."""
-        self._beats[holder] = {"at": time.time(), "activity": activity, "busy_since": busy_since}
+        self._beats[holder] = Beat(at=time.time(), activity=activity, busy_since=busy_since)
 
-    async def health(self) -> dict[str, dict[str, Any]]:
-        return {holder: dict(beat) for holder, beat in self._beats.items()}
+    async def health(self) -> dict[str, Beat]:
+        return dict(self._beats)
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> RunStatus:
         """Whether the run is stopped, and for how long nothing moved in it (no publish, signal,
         report or unit): a waiting role gives up only on a run that stands still."""
-        return {"stopped": self._stopped, "stalled_s": time.time() - self._moved_at}
+        return RunStatus(stopped=self._stopped, stalled_s=time.time() - self._moved_at)
 
     async def progress(self) -> dict[str, int]:
         """Per report name, the last step it reported (where a restarted role picks up)."""
@@ -179,9 +180,10 @@ class RunState:
 
     # -- per-step reports -----------------------------------------------------------------------
 
-    async def report(self, step: int, role: str, stats: dict[str, Any]) -> None:
-        self._reports.setdefault(step, {})[role] = stats
-        self._done_steps[role] = max(step, self._done_steps.get(role, -1))
+    async def report(self, report: StepReport) -> None:
+        """A role loop finished a step (its stats are joined by the controller's ``wait_reports``)."""
+        self._reports.setdefault(report.step, {})[report.name] = report.stats
+        self._done_steps[report.name] = max(report.step, self._done_steps.get(report.name, -1))
         await self._notify()
 
     async def wait_reports(self, step: int, roles: list[str], timeout_s: float) -> dict[str, dict[str, Any]] | None:

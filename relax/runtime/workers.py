@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +17,51 @@ import ray
 import torch
 
 from relax.bus import Bus
+from relax.roles import Role
 from relax.runtime.checkpoint import restore_rng
 from relax.runtime.health import Heartbeat
-from relax.runtime.loops import (
-    AdvantageLoop,
-    CollectiveWeights,
-    InProcessWeights,
-    ObjectStoreWeights,
-    RewardLoop,
-    RoleEnv,
-    RolloutLoop,
-    RunStopped,
-    TrainLoop,
-    partition_of,
-)
-from relax.runtime.model_roles import CriticTrainLoop, CriticValueLoop, ForwardLoop
-from relax.runtime.ranks import RankedTrainer
+from relax.runtime.ranks import RankedTrainer, RankPlacement
+from relax.runtime.records import StepReport
+from relax.runtime.role_env import RoleEnv, RunStopped
+from relax.runtime.roles.actor import ActorLoop
+from relax.runtime.roles.advantage import AdvantageLoop
+from relax.runtime.roles.critic import CriticTrainLoop, CriticValueLoop
+from relax.runtime.roles.forward import ForwardLoop
+from relax.runtime.roles.reward import RewardLoop
+from relax.runtime.roles.rollout import RolloutLoop
+from relax.runtime.run_state import partition_of
+from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
 from relax.spec.models import RunSpec
 from relax.spec.rules import weight_sync
 from relax.telemetry import Telemetry
+
+
+@dataclass
+class WorkerLaunch:
+    """Everything one worker is built from (with the ``RunState`` handle, passed beside it)."""
+
+    spec: RunSpec
+    """The run's spec (its ``trainer.output_dir`` already resolved by the controller)."""
+    base_dir: str
+    """Where relative paths of the spec resolve (the spec file's folder)."""
+    model_path: str
+    """The model as a local folder (built-in models are materialized by the driver first)."""
+    roles: list[Role]
+    """The roles it hosts, in data order."""
+    holder: str
+    """Its name in the run (heartbeats, rollout leases, reports)."""
+    threads: int | None
+    """Torch threads of this process."""
+    start_step: int = 0
+    """The step this attempt of the run starts from (a checkpoint's after a resume)."""
+    resume_from: str | None = None
+    """The checkpoint folder it loads its state from, if any."""
+    run_carrier: dict[str, str] = field(default_factory=dict)
+    """The run span's trace context: this process's spans join the run's trace."""
+    spec_hash: str = ""
+    """The spec's hash, on every span and metric."""
+    ranks: dict[Role, list[RankPlacement]] = field(default_factory=dict)
+    """The ranks of each multi-process model role it hosts, with their bundles (rank 0 first)."""
 
 
 def role_failure(what: str, exc: BaseException) -> RuntimeError:
@@ -48,10 +75,10 @@ def role_failure(what: str, exc: BaseException) -> RuntimeError:
 class RoleWorker:
     """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
 
-    def __init__(self, spec: RunSpec, base_dir: str, model_path: str, roles: list[str], state: Any,
-                 start_step: int, resume_from: str | None, threads: int | None, holder: str,
-                 run_carrier: dict[str, str], spec_hash: str, ranks: dict[str, list[Any]] | None = None) -> None:
+    def __init__(self, launch: WorkerLaunch, state: Any) -> None:
         from transformers.utils import logging as hf_logging
+
+        spec, roles, threads, holder = launch.spec, launch.roles, launch.threads, launch.holder
 
         hf_logging.disable_progress_bar()
         self.roles = roles
@@ -60,44 +87,44 @@ class RoleWorker:
         if threads:
             torch.set_num_threads(threads)
         output_dir = Path(spec.trainer.output_dir)
-        output_dir = output_dir if output_dir.is_absolute() else Path(base_dir) / output_dir
-        telemetry = Telemetry.from_spec(spec, output_dir, role="/".join(roles), spec_hash=spec_hash,
-                                        run_carrier=run_carrier)
+        output_dir = output_dir if output_dir.is_absolute() else Path(launch.base_dir) / output_dir
+        telemetry = Telemetry.from_spec(spec, output_dir, role="/".join(roles), spec_hash=launch.spec_hash,
+                                        run_carrier=launch.run_carrier)
         faults = spec.fault_tolerance
-        self.env = RoleEnv(spec=spec, base_dir=Path(base_dir), output_dir=output_dir, bus=Bus.attach(),
-                           state=state, timeout_s=faults.wait_timeout_s, threads=threads, model_path=model_path,
-                           telemetry=telemetry, holder=holder, ranks=ranks or {})
+        self.env = RoleEnv(spec=spec, base_dir=Path(launch.base_dir), output_dir=output_dir, bus=Bus.attach(),
+                           state=state, timeout_s=faults.wait_timeout_s, threads=threads,
+                           model_path=launch.model_path, telemetry=telemetry, holder=holder, ranks=launch.ranks)
         # Beats from the start: building a model can take long, and a frozen build is a hang too.
         self.heartbeat = Heartbeat(state, holder, self.env.activity, faults.heartbeat_s)
-        resume = Path(resume_from) if resume_from else None
+        resume = Path(launch.resume_from) if launch.resume_from else None
         if resume is not None:
             restore_rng(resume)
         # Weights go in memory only to a rollout in the actor's own process; everyone else (a
         # rollout or an actor_fwd elsewhere) gets them through the object store.
-        shared = InProcessWeights() if {"rollout", "actor"} <= set(roles) else None
+        shared = InProcessWeights() if {Role.rollout, Role.actor} <= set(roles) else None
         # roles.rollout.weight_sync collective: the actor's channel keeps the snapshot that
         # send_weights broadcasts (and still uses the object store for an actor_fwd elsewhere).
         collective = shared is None and weight_sync(spec) == "collective"
         self.weight_sender = (CollectiveWeights(self.env, object_store=spec.roles.actor_fwd is not None
-                                                and "actor_fwd" not in roles)
-                              if collective and "actor" in roles else None)
+                                                and Role.actor_fwd not in roles)
+                              if collective and Role.actor in roles else None)
         if self.weight_sender is not None:  # registered before the first publish
             state.register_weight_sender.remote(ray.get_runtime_context().current_actor)
         # The actor is built first so it publishes the starting weights before anyone waits.
-        actor = (TrainLoop(self.env, shared or self.weight_sender or ObjectStoreWeights(self.env), start_step, resume)
-                 if "actor" in roles else None)
+        actor = (ActorLoop(self.env, shared or self.weight_sender or ObjectStoreWeights(self.env), launch.start_step,
+                           resume) if Role.actor in roles else None)
         incoming = shared or (CollectiveWeights(self.env) if collective else ObjectStoreWeights(self.env))
-        rollout = RolloutLoop(self.env, incoming) if "rollout" in roles else None
-        reward = RewardLoop(self.env) if "reward" in roles else None
-        advantage = AdvantageLoop(self.env) if "advantage" in roles else None
-        reference = ForwardLoop(self.env, "reference", "ref_logprobs") if "reference" in roles else None
+        rollout = RolloutLoop(self.env, incoming) if Role.rollout in roles else None
+        reward = RewardLoop(self.env) if Role.reward in roles else None
+        advantage = AdvantageLoop(self.env) if Role.advantage in roles else None
+        reference = ForwardLoop(self.env, Role.reference) if Role.reference in roles else None
         # actor_fwd beside the actor reuses its backend: the actor's current weights *are* the
         # proximal policy of the step about to be trained. Elsewhere it receives the weights.
         actor_fwd = None
-        if "actor_fwd" in roles:
-            actor_fwd = (ForwardLoop(self.env, "actor_fwd", "old_logprobs", backend=actor.trainer) if actor is not None
-                         else ForwardLoop(self.env, "actor_fwd", "old_logprobs", weights=ObjectStoreWeights(self.env)))
-        critic_values = CriticValueLoop(self.env) if "critic" in roles else None
+        if Role.actor_fwd in roles:
+            actor_fwd = (ForwardLoop(self.env, Role.actor_fwd, backend=actor.trainer) if actor is not None
+                         else ForwardLoop(self.env, Role.actor_fwd, weights=ObjectStoreWeights(self.env)))
+        critic_values = CriticValueLoop(self.env) if Role.critic in roles else None
         critic = CriticTrainLoop(self.env, critic_values) if critic_values is not None else None
         # Co-hosted roles pass a step's rows along in memory: the rollout to the scorer riding on
         # it, the scorer to the advantage estimator; the last of them writes to the bus. An
@@ -139,7 +166,7 @@ class RoleWorker:
         if resumed:
             starts = {role: max(start_step, resumed.get(role, start_step - 1) + 1) for role in starts}
             for loop in self.loops:
-                if loop.role != "rollout" and starts[loop.role] < steps:
+                if loop.role != Role.rollout and starts[loop.role] < steps:
                     self.env.bus.reset_consumption(partition_of(starts[loop.role]), loop.role)
         done = start_step
         role = "/".join(self.roles)
@@ -154,7 +181,7 @@ class RoleWorker:
                         stats = loop.step(step)
                     stats["busy_s"] = time.perf_counter() - started
                     stats["started_at"] = wall
-                    self.state.report.remote(step, loop.role, stats)
+                    self.state.report.remote(StepReport(step, str(loop.role), stats))
                 done = step + 1
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}

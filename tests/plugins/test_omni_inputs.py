@@ -20,7 +20,7 @@ from relax.contracts import PluginKind
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.media import MediaError, MediaSet, dumps_context, loads_context
 from relax.registry import get_registry
-from relax.runtime.rows import rollout_columns, train_batch
+from relax.runtime.rows import rollout_columns
 from relax_plugins.datasets.omni import PROMPTS, encode_media, omni_problem
 from relax_plugins.processing import batch_media, encode_sample
 
@@ -90,7 +90,7 @@ def test_rollout_and_trainer_build_the_same_inputs(spec, backends, tmp_path, kin
     prompt, row = sample_of(kind, tmp_path)
     refs = media.refs(row, 0)
     gens, columns = roll(spec, rollout, prompt, refs)
-    batch = train_batch(columns, [0] * len(gens))
+    batch = TrainBatch.from_columns(columns, [0] * len(gens))
     inputs = trainer.model_inputs(batch)
 
     # The same token ids: the trainer's prompt part is what the rollout generated from, with the
@@ -127,7 +127,7 @@ def test_a_mixed_batch_of_all_three_modalities_matches_too(spec, backends, tmp_p
     gens = rollout.generate(prompts, 2, spec.roles.rollout.sampling, seed=5, media=refs)
     columns = rollout_columns(gens, prompts, ["x"] * 4, rollout.pad_token_id,
                               [dumps_context(p, r) for p, r in zip(prompts, refs)])
-    batch = train_batch(columns, [0] * len(gens))
+    batch = TrainBatch.from_columns(columns, [0] * len(gens))
     logprobs = trainer.compute_logprobs(batch)
     mask = batch.response_mask.bool()
     assert (logprobs[mask] - batch.rollout_logprobs[mask]).abs().max().item() < 1e-4
@@ -167,7 +167,7 @@ def test_a_medium_changed_after_the_rollout_is_caught_by_its_checksum(spec, back
 
     Image.new("RGB", (32, 32), (0, 0, 0)).save(row["image"])  # same size, other pixels
     with pytest.raises(MediaError, match="changed since the sample was generated"):
-        trainer.compute_logprobs(train_batch(columns, [0] * N))
+        trainer.compute_logprobs(TrainBatch.from_columns(columns, [0] * N))
 
 
 def test_the_trainer_refuses_tokens_the_rollout_did_not_generate_from(spec, backends, tmp_path):
@@ -175,7 +175,7 @@ def test_the_trainer_refuses_tokens_the_rollout_did_not_generate_from(spec, back
     media = MediaSet.from_spec(spec, spill_dir=tmp_path)
     prompt, row = sample_of("video", tmp_path, seed=7)
     gens, columns = roll(spec, rollout, prompt, media.refs(row, 0))
-    batch = train_batch(columns, [0] * N)
+    batch = TrainBatch.from_columns(columns, [0] * N)
     # A context naming another sample (an image question): its prompt tokens differ from the row's.
     swapped = TrainBatch(**{**batch.__dict__, "media": [dumps_context(PROMPTS["image"], media.refs(
         sample_of("image", tmp_path, seed=1)[1], 1))] * N})
@@ -190,4 +190,4 @@ def test_a_multimodal_batch_without_its_media_column_is_refused_not_trained_text
     gens, columns = roll(spec, rollout, prompt, media.refs(row, 0))
     del columns["media"]  # what a runtime that dropped the media between rollout and training would hand over
     with pytest.raises(ValueError, match="no media contexts; the 'media' column did not reach the trainer"):
-        trainer.compute_logprobs(train_batch(columns, [0] * N))
+        trainer.compute_logprobs(TrainBatch.from_columns(columns, [0] * N))

@@ -75,7 +75,7 @@ class RecordingSpan:
 def reward_loop(overrides: dict):
     import torch  # noqa: F401  (the loop builds tensors)
 
-    from relax.runtime.loops import RewardLoop
+    from relax.runtime.roles.reward import RewardLoop
 
     # Shape only: the loop is handed its rows, so the data set's columns (which validation checks
     # data.reward_key against) do not matter here.

@@ -8,7 +8,8 @@ import torch
 
 from relax.runtime.health import hung_workers
 from relax.runtime.ledger import RolloutLedger
-from relax.runtime.loops import accepted_rows
+from relax.runtime.records import Beat
+from relax.runtime.role_env import accepted_rows
 from relax.runtime.rows import relayout, restack
 
 
@@ -59,10 +60,10 @@ def test_a_forgotten_step_is_never_leased_again() -> None:
 
 def test_hung_workers_are_the_silent_and_the_stuck_not_the_waiting() -> None:
     now = 1000.0
-    beats = {"silent": {"at": now - 20, "activity": "x", "busy_since": None},
-             "stuck": {"at": now, "activity": "rollout generates step 3", "busy_since": now - 700},
-             "waiting": {"at": now, "activity": "wait_ready", "busy_since": None},
-             "working": {"at": now, "activity": "train", "busy_since": now - 5}}
+    beats = {"silent": Beat(at=now - 20, activity="x", busy_since=None),
+             "stuck": Beat(at=now, activity="rollout generates step 3", busy_since=now - 700),
+             "waiting": Beat(at=now, activity="wait_ready", busy_since=None),
+             "working": Beat(at=now, activity="train", busy_since=now - 5)}
     watched = dict.fromkeys([*beats, "never-beat"], now - 100)
     verdicts = {v.holder: v.reason for v in hung_workers(beats, watched, now, 10, 600)}
     assert set(verdicts) == {"silent", "stuck", "never-beat"}

@@ -45,7 +45,9 @@ def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_pa
     from relax.plan.contexts import rollout_context, trainer_context
     from relax.runtime.components import build_dataset, build_loss, materialize_model
     from relax.runtime.data import prompt_rows
-    from relax.runtime.rows import TRAIN_COLUMNS, media_columns, rollout_columns, train_batch
+    from relax.algo.batch import TrainBatch
+    from relax.roles import TRAIN_COLUMNS
+    from relax.runtime.rows import media_columns, rollout_columns
 
     spec, _, base = tiny_spec(tmp_path, "omni-bus", "algorithm.prompts_per_step=3", "algorithm.samples_per_prompt=2",
                               f"data.train.options.media_dir={tmp_path / 'media'}", preset="tiny-omni-cpu")
@@ -86,7 +88,7 @@ def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_pa
     for context in contexts:
         ref = json.loads(context)["refs"][0]
         assert Path(ref["path"]).is_file() and len(ref["sha256"]) == 64
-    batch = train_batch(fields, [0] * len(gens))
+    batch = TrainBatch.from_bus(read)
     logprobs = trainer.compute_logprobs(batch)
     mask = batch.response_mask.bool()
     assert (logprobs[mask] - batch.rollout_logprobs[mask]).abs().max().item() < 1e-4

@@ -1,0 +1,81 @@
+"""What the run-state actor (``relax.runtime.run_state.RunState``) answers: small typed records.
+
+Ray pickles dataclasses as they are, so a caller reads attributes (``status.stopped``) instead of
+keys of a ``dict[str, Any]``. A rollout unit (``Lease.unit``) stays the ledger's plain dict
+(``step``, ``unit``, ``start``, ``stop``, ``attempt``: see ``relax.runtime.ledger``), and a role's
+step stats stay a dict of numbers: ``relax.runtime.metrics.step_row`` reads them by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Whether the run is stopped, and for how long nothing moved in it (no publish, signal,
+    report or unit): a waiting role gives up only on a run that stands still."""
+
+    stopped: bool
+    stalled_s: float
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    """The newest published policy: its version and ``[ObjectRef]`` of its weights (empty when
+    the weights travel another way, e.g. over a weight group)."""
+
+    version: int
+    weights: list[Any]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The answer to a rollout replica asking for work: exactly one of a unit to generate, ``done``
+    (nothing left for it) or ``drain`` (the replica is being removed)."""
+
+    unit: dict[str, Any] | None = None
+    done: bool = False
+    drain: bool = False
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """What a reader of a step needs: how many units make it, which attempt of each counts, and
+    whether any unit was retried (then orphan rows may be on the bus)."""
+
+    units: int
+    accepted: dict[int, int]
+    retried: bool
+
+
+@dataclass(frozen=True)
+class SampleCounters:
+    """Samples of the run so far: generated and acknowledged, generated again after a failure,
+    dropped as orphans; produced per replica."""
+
+    produced: int = 0
+    regenerated: int = 0
+    dropped: int = 0
+    by_holder: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A worker's last heartbeat: when, what it was doing, and since when it has been busy with it
+    (None while it waits on others)."""
+
+    at: float
+    activity: str
+    busy_since: float | None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One role loop's report of one step: its name (a role, or ``critic_values``) and its stats
+    (times, counts, the trainer's metrics: the numbers ``relax.runtime.metrics.step_row`` joins)."""
+
+    step: int
+    name: str
+    stats: dict[str, Any]

@@ -1,0 +1,185 @@
+"""What every role loop of a worker shares: the spec, the bus, the run-state actor and its waits.
+
+The data path is the bus only: the rollout writes a step's rows to partition ``step-<n>``, the
+reward and advantage tasks add their columns, and the actor takes the finished rows. ``RunState``
+only says when a column is ready and which policy version exists, so nobody polls: a role blocks in
+``RoleEnv.wait_for`` (in slices, so a stopped or stalled run ends the wait) and reads with
+``RoleEnv.take``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from relax.bus import Bus, BusBatch
+from relax.roles import Column, Role
+from relax.runtime.health import Activity
+from relax.runtime.ranks import RankPlacement, build_role_trainer
+from relax.runtime.records import Lease, PolicyVersion, RunStatus, UnitInfo
+from relax.runtime.rows import relayout, restack
+from relax.runtime.run_state import partition_of
+from relax.spec.models import RunSpec
+from relax.telemetry import Telemetry
+
+#: Longest single wait on the control plane before re-checking whether the run was stopped.
+WAIT_SLICE_S = 2.0
+
+
+class RunStopped(Exception):
+    """The run was stopped (by a failure elsewhere or by the user) while this role waited."""
+
+
+class StalenessViolation(RuntimeError):
+    """A batch holds samples older than ``async_policy.max_staleness`` allows: never trained."""
+
+
+@dataclass
+class RoleEnv:
+    """What every loop of a run shares inside one worker process."""
+
+    spec: RunSpec
+    base_dir: Path
+    output_dir: Path
+    bus: Bus
+    state: Any
+    """The ``RunState`` actor handle."""
+    timeout_s: float
+    threads: int | None
+    model_path: str
+    """The model as a local folder (built-in models are materialized by the driver first)."""
+    telemetry: Telemetry
+    """This process's tracer: spans join the run's trace and parent to their step."""
+    holder: str = "worker"
+    """This worker's name in the run (heartbeats, rollout leases)."""
+    activity: Activity = field(default_factory=Activity)
+    """What this worker does right now, for its heartbeat."""
+    ranks: dict[Role, list[RankPlacement]] = field(default_factory=dict)
+    """The ranks of each model role hosted here that spans several processes (rank 0 first)."""
+
+    def build_trainer(self, role: Role) -> Any:
+        """A model role's backend: in this process, or across its ranks (``relax.runtime.ranks``)."""
+        return build_role_trainer(self.spec, self.model_path, self.threads, role, self.ranks.get(role), self.timeout_s)
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.algorithm.prompts_per_step * self.spec.algorithm.samples_per_prompt
+
+    def call(self, ref: Any) -> Any:
+        """``ray.get`` of a call to ``RunState``, bounded (a lost control plane fails the role)."""
+        return ray.get(ref, timeout=self.timeout_s)
+
+    def wait_for(self, ask: Callable[[float], Any], what: str) -> Any:
+        """Block on a ``RunState`` wait in slices, failing clearly on stop, or once the whole run
+        has stood still for ``fault_tolerance.wait_timeout_s`` (a role waits as long as the run
+        moves: a slow producer upstream is not a failure, a dead or stuck one is).
+
+        ``ask(slice_s)`` makes the call (``state.wait_ready.remote(..., slice_s)``); a falsy answer
+        means the slice ran out. ``what`` names the wait in the heartbeat and in errors."""
+        started = time.monotonic()
+        with self.activity.waiting(what):
+            while True:
+                result = self.call(ask(WAIT_SLICE_S))
+                if result:
+                    return result
+                status: RunStatus = self.call(self.state.status.remote())
+                if status.stopped:
+                    raise RunStopped(f"run stopped while waiting ({what})")
+                if min(time.monotonic() - started, status.stalled_s) > self.timeout_s:
+                    raise TimeoutError(f"waited {time.monotonic() - started:.0f} s for {what} while "
+                                       f"nothing moved in the run for {status.stalled_s:.0f} s "
+                                       "(fault_tolerance.wait_timeout_s); the role that should provide it is "
+                                       "stuck or dead")
+
+    def lease(self, only_step: int | None) -> Lease:
+        """The next rollout unit for this worker (see ``RunState.lease``)."""
+        k = self.spec.async_policy.max_staleness
+        return self.wait_for(lambda t: self.state.lease.remote(self.holder, k, only_step, t),
+                             f"lease{(self.holder, k, only_step)}")
+
+    def wait_version(self, min_version: int) -> PolicyVersion:
+        """The newest published policy once it is at least ``min_version``."""
+        return self.wait_for(lambda t: self.state.wait_version.remote(min_version, t), f"wait_version({min_version},)")
+
+    def wait_ready(self, partition: str, column: str) -> None:
+        """Until ``column`` is announced for every row of ``partition``."""
+        self.wait_for(lambda t: self.state.wait_ready.remote(partition, column, t),
+                      f"wait_ready{(partition, str(column))}")
+
+    def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: Column | tuple[Column, ...], fields: tuple[Column, ...],
+                 task: str, work: Any) -> dict[str, Any]:
+        """One step of a task that reads rows from the bus, unless a co-hosted loop already did the
+        step in memory (its stats wait in ``done``). ``work(step, batch)`` computes and writes; the
+        time outside it is bus time."""
+        if step not in done:
+            started = time.perf_counter()
+            work(step, self.take(step, after, fields, task))
+            computed = sum(v for k, v in done[step].items() if k.endswith("_s") and k != "bus_s")
+            done[step]["bus_s"] = time.perf_counter() - started - computed
+        return done.pop(step)
+
+    def take(self, step: int, after: Column | tuple[Column, ...], fields: tuple[Column, ...], task: str) -> BusBatch:
+        """This task's rows of a step, once every column in ``after`` has been announced for them:
+        exactly the rows of the acknowledged rollout attempts (orphans of a failed replica are
+        skipped and counted as dropped), in sample order, token columns in one layout."""
+        partition = partition_of(step)
+        for name in (after,) if isinstance(after, str) else after:
+            self.wait_ready(partition, name)
+        info: UnitInfo = self.call(self.state.unit_info.remote(step))
+        mixed = info.units > 1
+        with self.activity.busy(f"{task} reads step {step}"):
+            if not info.retried:
+                batch = self.bus.get(partition, list(fields), task=task, batch_size=self.batch_size,
+                                     timeout_s=self.timeout_s)
+                keep = list(range(len(batch)))
+            else:  # a replica failed during this step: its unacknowledged rows may be here too
+                ready = self.bus.counts(partition, task=task, fields=fields).ready
+                batch = self.bus.get(partition, list(fields), task=task, batch_size=max(ready, self.batch_size),
+                                     timeout_s=self.timeout_s)
+                keep, orphans = accepted_rows(batch.meta, info.accepted)
+                for (unit, attempt), rows in orphans.items():
+                    self.state.drop.remote(step, unit, attempt, rows)
+                if len(keep) != self.batch_size:
+                    raise RuntimeError(f"step {step} has {len(keep)} acknowledged rows for {task}, expected "
+                                       f"{self.batch_size}; the bus and the rollout ledger disagree")
+            order = sorted(keep, key=lambda i: sample_key(batch.meta[i]))
+            if order != list(range(len(batch))):
+                batch = batch.select(order)
+            if info.retried:
+                batch = restack(batch, keep_ragged=mixed)
+            return relayout(batch) if mixed else batch
+
+    def announce(self, step: int, *columns: Column) -> None:
+        """Tell waiting roles that ``columns`` of a step are on the bus (ordered after the writes
+        of this process, so nothing needs to be awaited)."""
+        for column in columns:
+            self.state.announce.remote(partition_of(step), column)
+
+
+def sample_key(meta: Any) -> tuple[int, int]:
+    """Where a row sits in its step: (its prompt's position, its sample of that prompt)."""
+    return int(meta.extra["group"]), int(meta.extra.get("sample", 0))
+
+
+def accepted_rows(meta: list[Any], accepted: dict[int, int]) -> tuple[list[int], dict[tuple[int, int], int]]:
+    """Positions of the rows of acknowledged attempts, and the orphan rows per (unit, attempt)."""
+    keep, orphans = [], {}
+    for i, m in enumerate(meta):
+        key = int(m.extra.get("unit", 0)), int(m.extra.get("attempt", 1))
+        if accepted.get(key[0]) == key[1]:
+            keep.append(i)
+        else:
+            orphans[key] = orphans.get(key, 0) + 1
+    return keep, orphans
+
+
+def group_ids(meta: list[Any]) -> torch.Tensor:
+    """The group of each row (the index of the prompt it answers), from the rows' metadata."""
+    return torch.tensor([int(m.extra["group"]) for m in meta], dtype=torch.long)
+

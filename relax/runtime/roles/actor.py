@@ -1,0 +1,81 @@
+"""The actor role: takes a step's finished rows, checks their staleness, trains, publishes the new
+policy into its weight channel and checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax.algo.batch import TrainBatch
+from relax.roles import FORWARD_COLUMNS, TRAIN_COLUMNS, Column, Role
+from relax.runtime.checkpoint import save_checkpoint
+from relax.runtime.role_env import RoleEnv, StalenessViolation
+from relax.runtime.rows import media_columns
+from relax.runtime.weight_channels import WeightChannel
+from relax.telemetry import CHECKPOINT, TRAIN_STEP, WEIGHT_SYNC
+
+
+class ActorLoop:
+    """Takes a step's finished rows, checks their staleness, trains, publishes and checkpoints."""
+
+    role = Role.actor
+
+    def __init__(self, env: RoleEnv, weights: WeightChannel, start_step: int, resume_from: Path | None) -> None:
+        self.env, self.weights = env, weights
+        spec = env.spec
+        self.trainer = env.build_trainer(Role.actor)
+        # Token columns of the optional model roles, read (and waited for) with the advantages.
+        optional = tuple(column for role, column in FORWARD_COLUMNS.items() if getattr(spec.roles, role) is not None)
+        self.after = (Column.advantages, *optional)
+        self.fields = (*TRAIN_COLUMNS, *optional, *media_columns(spec))
+        if resume_from is not None:
+            self.trainer.load(str(resume_from / "trainer"))
+        self.version = start_step
+        self.weights.publish(start_step, self.trainer.weights())
+
+    def step(self, step: int) -> dict[str, Any]:
+        spec, env = self.env.spec, self.env
+        t0 = time.perf_counter()
+        batch = env.take(step, self.after, self.fields, Role.actor)
+        t1 = time.perf_counter()
+        versions = [m.policy_version for m in batch.meta]
+        lags = [step - v for v in versions]
+        ids = [m.sample_id for m in batch.meta]
+        if len(set(ids)) != len(ids):  # the exactly-once guard: never train a sample twice
+            repeated = sorted({i for i in ids if ids.count(i) > 1})
+            raise RuntimeError(f"step {step} received samples {repeated[:5]} more than once; the bus holds "
+                               "duplicate rows (a rollout ledger bug): refusing to train them")
+        k = spec.async_policy.max_staleness
+        tel = env.telemetry
+        with tel.span(TRAIN_STEP, step=step, links=batch.meta, samples=len(versions), staleness=max(lags),
+                      policy_version=step + 1) as span:
+            if max(lags) > k or min(lags) < 0:
+                raise StalenessViolation(f"step {step} received samples of policy versions "
+                                         f"{sorted(set(versions))}: lag {max(lags)} exceeds "
+                                         f"async_policy.max_staleness={k}")
+            packed = TrainBatch.from_bus(batch)
+            t2 = time.perf_counter()
+            metrics = self.trainer.train_step(packed)
+            span.set(tokens=packed.num_response_tokens, bus_bytes=sum(
+                v.numel() * v.element_size() for v in batch.fields.values() if isinstance(v, torch.Tensor)))
+        t3 = time.perf_counter()
+        self.version = step + 1
+        with tel.span(WEIGHT_SYNC, step=step, role=Role.actor, policy_version=self.version):
+            self.weights.publish(self.version, self.trainer.weights())
+        t4 = time.perf_counter()
+        every = spec.trainer.checkpoint_every
+        checkpoint_s = 0.0
+        if (every and self.version % every == 0) or self.version == spec.trainer.steps:
+            with tel.span(CHECKPOINT, step=step, policy_version=self.version):
+                save_checkpoint(env.output_dir, self.version, self.trainer, spec.trainer.keep_checkpoints)
+            checkpoint_s = time.perf_counter() - t4
+        return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
+                "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),
+                "samples_hash": hashlib.sha1(repr(ids).encode()).hexdigest()[:12],
+                "staleness_mean": sum(lags) / len(lags),
+                "train": {k: float(v) for k, v in metrics.items()}, "end_time": time.time()}
+

@@ -1,0 +1,87 @@
+"""The reward role: scores a step's responses with every reward plugin (``relax.runtime.scoring``
+runs them concurrently within their time limits); the weighted sum is the ``rewards`` column."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from relax.bus import BusBatch
+from relax.contracts import RewardSample
+from relax.roles import Column, Role
+from relax.runtime.components import build_rewards
+from relax.runtime.role_env import RoleEnv
+from relax.telemetry import REWARD_SCORE
+
+if TYPE_CHECKING:
+    from relax.runtime.roles.advantage import AdvantageLoop
+
+
+class RewardLoop:
+    """Scores a step's responses with every reward plugin: the weighted sum becomes ``rewards``.
+
+    Riding in a rollout worker it scores each batch before the batch is put on the bus; otherwise it
+    takes responses from the bus, and hands the scored rows to an advantage loop in the same worker
+    (``handoff``) or writes ``rewards`` back itself.
+    """
+
+    role = Role.reward
+
+    def __init__(self, env: RoleEnv) -> None:
+        self.env = env
+        self.rewards = build_rewards(env.spec)
+        self.handoff: AdvantageLoop | None = None
+        self._stats: dict[int, dict[str, Any]] = {}
+
+    def score(self, step: int, columns: dict[str, Any], meta: list[Any]) -> torch.Tensor:
+        """The weighted reward of every row (``prompt``/``response``/``label`` columns).
+
+        The scorer (``relax.runtime.scoring``) runs the rewards concurrently within their time
+        limits. A sample's metadata is its row's (``sample_id``, ``group``, ``response_tokens``,
+        ...; not the trace) plus the run's ``max_new_tokens``; ``response_tokens`` falls back to the
+        ``lengths`` column when the row does not carry it. With ``data.reward_key`` set, a row's
+        ``reward_route`` metadata (that column's value) picks the rewards that score it.
+        """
+        started = time.perf_counter()
+        max_new_tokens = self.env.spec.roles.rollout.sampling.max_new_tokens
+        lengths = columns.get(Column.lengths)
+        samples, routes = [], []
+        for i, (prompt, response, label, row) in enumerate(zip(columns[Column.prompt], columns[Column.response],
+                                                                 columns[Column.label], meta)):
+            info = dict(row) if isinstance(row, dict) else {
+                **row.extra, "sample_id": row.sample_id, "policy_version": row.policy_version}
+            info.pop("trace", None)
+            info.setdefault("max_new_tokens", max_new_tokens)
+            if "response_tokens" not in info and lengths is not None:
+                info["response_tokens"] = int(lengths[i][1])
+            routes.append(info.pop("reward_route", None))
+            samples.append(RewardSample(prompt=prompt, response=response, label=label, metadata=info))
+        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta) as span:
+            report = self.rewards.score(samples, routes if self.env.spec.data.reward_key else None)
+            per_reward = report.stats()
+            span.set(**{"relax.reward." + k.replace("/", "."): v for k, v in per_reward.items()})
+        total = torch.tensor(report.totals, dtype=torch.float32)
+        self._stats[step] = {"reward_s": time.perf_counter() - started, "bus_s": 0.0,
+                             "reward_mean": float(total.mean()), "rewards": per_reward}
+        return total
+
+    def record(self, step: int, reward_mean: float, reward_s: float) -> None:
+        """Replace a step's reward mean and time after several scoring rounds (dynamic sampling)."""
+        self._stats[step].update(reward_mean=reward_mean, reward_s=reward_s)
+
+    def step(self, step: int) -> dict[str, Any]:
+        # A co-hosted advantage loop gets these rows in memory: read the token columns it needs too.
+        extra = tuple(f for f in self.handoff.fields if f != Column.rewards) if self.handoff is not None else ()
+        return self.env.bus_task(step, self._stats, Column.response,
+                                 (Column.prompt, Column.response, Column.label, *extra), Role.reward, self._from_bus)
+
+    def _from_bus(self, step: int, batch: BusBatch) -> None:
+        total = self.score(step, batch.fields, batch.meta)
+        if self.handoff is not None:
+            self.handoff.accept(step, batch, total)
+        else:
+            self.env.bus.write_fields(batch, {Column.rewards: total})
+            self.env.announce(step, Column.rewards)
+

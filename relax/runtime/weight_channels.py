@@ -1,0 +1,161 @@
+"""How new policy weights reach the roles that generate or score with them: the weight channels.
+
+The actor publishes each new version into its channel; a rollout (or an ``actor_fwd`` of its own)
+waits on its channel for the version the staleness bound requires:
+
+- ``InProcessWeights``: colocate, the trainer and the rollout share a process;
+- ``ObjectStoreWeights``: separate/hybrid, through Ray's object store (``RunState`` holds the
+  reference);
+- ``CollectiveWeights``: ``roles.rollout.weight_sync: collective``, over a weight group per
+  rollout replica (``relax.weight_group``); a replica gets a ``WeightPull``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import ray
+
+from relax.runtime.role_env import RoleEnv
+
+class WeightChannel(Protocol):
+    """How new policy weights reach a rollout backend."""
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None: ...
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | WeightPull | None]:
+        """The newest version (at least ``min_version``) and, when newer than ``held``, its weights:
+        a state dict, or a ``WeightPull`` that receives them straight into the backend."""
+        ...
+
+
+class InProcessWeights:
+    """Colocate: the trainer and the rollout share a process; the newest weights are just handed over."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.weights: dict[str, Any] | None = None
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        self.version, self.weights = version, weights
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
+        if self.version < min_version:
+            raise RuntimeError(f"colocated rollout needs policy version {min_version} but the trainer is at "
+                               f"{self.version}; steps ran out of order")
+        return self.version, (self.weights if self.version > held else None)
+
+
+class ObjectStoreWeights:
+    """Separate/hybrid: weights go through Ray's object store; ``RunState`` holds the reference."""
+
+    def __init__(self, env: RoleEnv) -> None:
+        self.env = env
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        # Not awaited: calls from one process to one actor run in order, and the reference keeps
+        # the weights alive in this process's object store until a newer version replaces them.
+        self.env.state.publish.remote(version, [ray.put(weights)])
+
+    def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
+        policy = self.env.wait_version(min_version)
+        return policy.version, (ray.get(policy.weights[0], timeout=self.env.timeout_s)
+                                if policy.version > held else None)
+
+
+class CollectiveWeights:
+    """Separate/hybrid with ``roles.rollout.weight_sync: collective``: weights go from the actor's
+    rank 0 to each rollout replica over a weight group of their own (``relax.weight_group``:
+    NCCL on GPUs, gloo on CPU), pulled by the replica when it needs a newer version.
+
+    The actor's side keeps its newest snapshot and publishes only the version (plus an object-store
+    reference when ``object_store`` too, for an ``actor_fwd`` in another worker). A replica's side
+    waits for the version, then asks the actor's worker (registered in ``RunState``) to send its
+    snapshot over the replica's group (``RoleWorker.send_weights``, on a free thread of that worker)
+    while it receives straight into its backend. The group is opened on a replica's first pull, so a
+    replica added mid-run, or a restarted one, joins the same way; a restarted actor is a new sender,
+    for which the replica opens a new group."""
+
+    def __init__(self, env: RoleEnv, object_store: bool = False) -> None:
+        self.env = env
+        self.object_store = object_store
+        self.snapshot: tuple[int, dict[str, Any]] | None = None
+        """The actor's newest ``(version, weights)``: what a pull sends."""
+        self.groups: dict[str, Any] = {}
+        """The actor's ``WeightSender`` per rollout replica (by holder)."""
+        self.sender: Any = None
+        """A replica's sender (the actor worker's handle) whose group its backend joined."""
+
+    # -- the actor's side ----------------------------------------------------------------------
+
+    def publish(self, version: int, weights: dict[str, Any]) -> None:
+        self.snapshot = (version, weights)  # before the version is announced: a pull sends >= it
+        self.env.state.publish.remote(version, [ray.put(weights)] if self.object_store else [])
+
+    def open(self, holder: str, receivers: int) -> dict[str, Any]:
+        """A new weight group for replica ``holder`` (replacing its old one): its address."""
+        from relax.weight_group import WeightSender
+
+        old = self.groups.pop(holder, None)
+        if old is not None:
+            old.close()
+        sender = WeightSender(receivers, timeout_s=self.env.timeout_s, host=ray.util.get_node_ip_address())
+        self.groups[holder] = sender
+        return sender.address.as_dict()
+
+    def send(self, holder: str) -> dict[str, Any]:
+        """Broadcast the newest snapshot over ``holder``'s group; its version, size and times. A
+        failed send drops the group (the replica opens a new one on its next pull)."""
+        if self.snapshot is None or holder not in self.groups:
+            raise RuntimeError(f"rollout replica {holder} asked for weights before "
+                               f"{'the actor published any' if self.snapshot is None else 'opening its group'}")
+        version, weights = self.snapshot
+        sender = self.groups[holder]
+        # Not marked in env.activity: that is the run thread's state, and this runs beside it.
+        try:
+            stats = sender.send(weights, version)
+        except Exception:
+            if self.groups.get(holder) is sender:  # not a newer group the replica opened meanwhile
+                del self.groups[holder]
+            sender.close()
+            raise
+        return {"version": version, **stats}
+
+    # -- a rollout replica's side -------------------------------------------------------------------
+
+    def wait(self, min_version: int, held: int) -> tuple[int, WeightPull | None]:
+        version = self.env.wait_version(min_version).version
+        return version, (WeightPull(self) if version > held else None)
+
+    def pull(self, backend: Any) -> int:
+        """Receive the actor's newest weights into ``backend`` (joining a group first if needed);
+        the version received, which the backend now holds."""
+        env = self.env
+        sender = env.call(env.state.weight_sender.remote())
+        if sender is None:
+            raise RuntimeError("no actor worker registered to send weights (roles.rollout.weight_sync: "
+                               "collective); the actor failed to start or runs in another run")
+        if self.sender is None or self.sender._actor_id != sender._actor_id:
+            address = env.call(sender.open_weight_group.remote(env.holder, int(backend.weight_group_ranks)))
+            backend.join_weight_group(address)
+            self.sender = sender
+        sent = sender.send_weights.remote(env.holder)
+        try:
+            version = backend.receive_weights()
+            env.call(sent)
+        except Exception:
+            self.sender = None  # a new group on the next pull
+            raise
+        return version
+
+
+@dataclass
+class WeightPull:
+    """A newer version to pull (what ``CollectiveWeights.wait`` returns instead of the weights)."""
+
+    channel: CollectiveWeights
+
+    def into(self, backend: Any) -> int:
+        return self.channel.pull(backend)
+
