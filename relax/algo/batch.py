@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -26,8 +26,15 @@ from torch import Tensor
 from relax.contracts import Generation
 from relax.roles import OPTIONAL_TOKEN_COLUMNS, Column
 
-if TYPE_CHECKING:
-    from relax.bus import BusBatch
+
+
+class TakenRows(Protocol):
+    """Rows a role took from the bus (``relax.bus.BusBatch`` is one): its columns, and per row its
+    metadata with the ``policy_version`` that generated it. A protocol, so ``relax.algo`` needs
+    nothing of the bus."""
+
+    fields: Mapping[str, Any]
+    meta: Sequence[Any]
 
 __all__ = ["TrainBatch", "collate", "pack_tokens", "token_logprobs"]
 
@@ -70,7 +77,7 @@ class TrainBatch:
     leave it as it is."""
 
     @classmethod
-    def from_bus(cls, batch: BusBatch) -> TrainBatch:
+    def from_bus(cls, batch: TakenRows) -> TrainBatch:
         """The batch of the rows a role took from the bus (``relax.bus.BusBatch``), each row's
         ``policy_version`` from its metadata: the one conversion between the bus and a trainer."""
         return cls.from_columns(batch.fields, [m.policy_version for m in batch.meta])
