@@ -10,7 +10,7 @@ from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleInstance
 from relax.plan.placement import gpu_fractions, plan_placement
 from relax.plan.render import render
 from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
-from relax.plan.wiring import plan_workers, rollout_work
+from relax.plan.wiring import plan_workers, rollout_replica, rollout_work, run_settings
 from relax.registry import PluginError, get_registry, trait
 from relax.spec.architecture import ModelArchitecture
 from relax.spec.errors import SpecError, SpecIssue
@@ -163,6 +163,8 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
         rollout_max_replicas=_elastic_limit(spec),
         pools=pools, instances=instances, bus=bus_fields(workers),
         weight_sync=weight_sync_edges(workers, on_gpu=spec.roles.actor.gpus > 0),
-        staleness=staleness_schedule(spec), memory=memory, workers=workers, rollout_work=rollout_work(spec),
+        staleness=staleness_schedule(spec), memory=memory, workers=workers, rollout_replica=rollout_replica(spec, workers, base_dir or Path.cwd()),
+        rollout_work=rollout_work(spec),
+        settings=run_settings(spec, base_dir or Path.cwd()),
         notes=notes,
     )

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.spec.models import FaultToleranceSpec, TracingSpec
+
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 
@@ -202,13 +204,8 @@ class WorkerPlan(PlanPart):
     ``#n`` for the n-th extra rollout replica."""
     roles: list[RoleWiring]
     """The role loops it hosts, in the order it runs them each step (data order)."""
-    pool: str
-    """The pool whose bundle it takes."""
-    bundle: int
-    """Its bundle in that pool."""
-    node: int
-    gpus: list[int] = Field(default_factory=list)
-    gpu_fraction: float = 0.0
+    instance: RoleInstance
+    """The plan instance whose bundle it takes (the actor's, when it hosts the actor)."""
     replica: int = 0
     """0 for the worker that hosts the run's step loops; n > 0 for the n-th extra rollout replica,
     which only generates (it leases units of rollout work)."""
@@ -219,6 +216,14 @@ class WorkerPlan(PlanPart):
     """Per model role spanning several processes: its instance ranks (0 is this worker, which starts
     the others on their planned bundles)."""
 
+    @property
+    def pool(self) -> str:
+        return self.instance.pool
+
+    @property
+    def bundle(self) -> int:
+        return self.instance.bundles[0]
+
     def loop(self, task: str) -> RoleWiring | None:
         """The wiring of the loop named ``task``, if this worker hosts it."""
         return next((r for r in self.roles if r.task == task), None)
@@ -227,6 +232,44 @@ class WorkerPlan(PlanPart):
     def role_names(self) -> list[str]:
         """The roles it hosts, each once, in data order."""
         return list(dict.fromkeys(r.role for r in self.roles))
+
+
+class DataSettings(PlanPart):
+    """How the rollout reads the training data set's rows."""
+
+    prompt_key: str
+    label_key: str
+    reward_key: str | None
+    shuffle: bool
+    media_dir: str | None
+    """Where relative media paths of the data are taken from (the data file's folder, or the
+    spec's); None for a text run."""
+
+
+class RunSettings(PlanPart):
+    """The run-wide settings the controller and every worker read, copied from the spec: with the
+    workers' wiring, everything a run is built from."""
+
+    name: str
+    seed: int
+    steps: int
+    output_dir: str
+    """``trainer.output_dir`` as the spec says it; ``relax run`` resolves it against the working
+    folder and tells each worker the absolute folder."""
+    checkpoint_every: int
+    keep_checkpoints: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    max_staleness: int
+    dynamic_sampling: bool
+    """DAPO's dynamic sampling (the rollout refills groups whose rewards are all equal)."""
+    dynamic_sampling_rounds: int
+    max_new_tokens: int
+    data: DataSettings
+    fault_tolerance: FaultToleranceSpec
+    tracing: TracingSpec
+    bus_node_resource: str | None = None
+    """``cluster.bus_node_resource``: the node resource the bus's storage is placed by."""
 
 
 class RolloutWork(PlanPart):
@@ -266,8 +309,14 @@ class Plan(PlanPart):
     """Every worker process ``relax run`` starts (before any elastic scaling), with the roles it
     hosts, their plugins and options, the bus columns each reads and writes, and its weight channels:
     the runtime builds its workers from these and nothing else."""
+    rollout_replica: WorkerPlan | None = None
+    """The worker an extra rollout replica gets when ``relax scale`` adds one to an elastic rollout
+    (on a placement group of its own, like the planned ones' bundles); null: not elastic."""
     rollout_work: RolloutWork | None = None
     """How each step's rollout is cut into units of work."""
+    settings: RunSettings | None = None
+    """The run-wide settings (steps, checkpoints, batch shape, staleness, data keys, fault
+    tolerance, tracing) the controller and the workers read."""
     notes: list[str] = Field(default_factory=list)
     """Assumptions and caveats of the estimate."""
 

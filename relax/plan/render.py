@@ -71,9 +71,9 @@ def render_table(plan: Plan) -> str:
         lines.append(f"  {node:>4}  {device:<6}  {roles:<44}  {peak}  {cap}  {phases}")
     lines += ["", "Workers (one process each; loops in the order they run a step):"]
     for worker in plan.workers:
-        gpus = f"gpu {','.join(map(str, worker.gpus))}" if worker.gpus else "cpu"
+        gpus = f"gpu {','.join(map(str, worker.instance.gpus))}" if worker.instance.gpus else "cpu"
         ranks = "".join(f"; {role} ranks {len(r)}" for role, r in worker.ranks.items())
-        lines.append(f"  {worker.holder:<28} {worker.pool}[{worker.bundle}] node {worker.node} {gpus}, "
+        lines.append(f"  {worker.holder:<28} {worker.pool}[{worker.bundle}] node {worker.instance.node} {gpus}, "
                      f"{worker.threads} thread(s){ranks}")
         for loop in worker.roles:
             lines.append(f"    {_loop_line(loop)}")

@@ -10,14 +10,22 @@ no ray.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from relax.contracts import PluginKind
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
-from relax.plan.model import PluginUse, RewardUse, RoleInstance, RoleWiring, RolloutWork, WorkerPlan
+from relax.plan.model import (
+    DataSettings,
+    PluginUse,
+    RewardUse,
+    RoleInstance,
+    RoleWiring,
+    RolloutWork,
+    RunSettings,
+    WorkerPlan,
+)
 from relax.registry import PluginError, get_registry, trait
 from relax.roles import (
     CRITIC_VALUES,
@@ -51,18 +59,6 @@ LOOP_ORDER = (Role.rollout, Role.reward, Role.reference, CRITIC_VALUES, Role.adv
 def run_roles(spec: RunSpec) -> list[str]:
     """The roles of a run, in data order."""
     return [*STEP_ROLES, *(name for name in OPTIONAL_ROLES if getattr(spec.roles, name) is not None)]
-
-
-def rollout_units(spec: RunSpec) -> tuple[int, int]:
-    """How a step's prompts are cut into units of rollout work: (prompts per unit, units per step).
-
-    A unit is leased to one rollout replica and generated again whole if that replica fails. Unless
-    ``roles.rollout.unit_prompts`` sets it, a unit is the whole step when the run has one replica
-    and is not elastic, else ``prompts_per_step / replica_limit`` rounded up (one unit per replica)."""
-    prompts = spec.algorithm.prompts_per_step
-    limit = spec.roles.rollout.replica_limit
-    unit = spec.roles.rollout.unit_prompts or (prompts if limit == 1 else math.ceil(prompts / limit))
-    return unit, math.ceil(prompts / unit)
 
 
 def _estimator(spec: RunSpec) -> type | None:
@@ -104,7 +100,7 @@ def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
 
 
 def rollout_work(spec: RunSpec) -> RolloutWork:
-    unit, units = rollout_units(spec)
+    unit, units = spec.rollout_units()
     return RolloutWork(unit_prompts=unit, units_per_step=units, replica_limit=spec.roles.rollout.replica_limit,
                        ragged=units > 1)
 
@@ -294,5 +290,33 @@ def _worker(spec: RunSpec, base_dir: Path, roles: list[str], anchor: RoleInstanc
             ranks: dict[str, list[int]]) -> WorkerPlan:
     return WorkerPlan(holder=holder_name(roles, replica),
                       roles=_WorkerWiring(spec, base_dir, roles, threads, replica).build(),
-                      pool=anchor.pool, bundle=anchor.bundles[0], node=anchor.node, gpus=list(anchor.gpus),
-                      gpu_fraction=anchor.gpu_fraction, replica=replica, threads=threads, ranks=ranks)
+                      instance=anchor, replica=replica, threads=threads, ranks=ranks)
+
+
+def rollout_replica(spec: RunSpec, workers: list[WorkerPlan], base_dir: Path) -> WorkerPlan | None:
+    """The worker ``relax scale`` starts for each rollout replica it adds (replica number 1 here;
+    the controller numbers them): a rollout alone, on a bundle like the first rollout worker's,
+    with its threads. None when the rollout is not elastic (no ``roles.rollout.max_replicas``)."""
+    if spec.roles.rollout.max_replicas is None:
+        return None
+    first = next(w for w in workers if Role.rollout in w.role_names)
+    return _worker(spec, base_dir, [Role.rollout], first.instance, first.threads, 1, {})
+
+
+def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
+    """The run-wide settings of a spec, as the controller and the workers read them."""
+    from relax.media import media_base_dir
+
+    algo, data = spec.algorithm, spec.data
+    media_dir = media_base_dir(spec, base_dir) if data.media_keys else None
+    return RunSettings(
+        name=spec.name, seed=spec.seed, steps=spec.trainer.steps, output_dir=spec.trainer.output_dir,
+        checkpoint_every=spec.trainer.checkpoint_every, keep_checkpoints=spec.trainer.keep_checkpoints,
+        prompts_per_step=algo.prompts_per_step, samples_per_prompt=algo.samples_per_prompt,
+        max_staleness=spec.async_policy.max_staleness, dynamic_sampling=algo.dynamic_sampling.enabled,
+        dynamic_sampling_rounds=algo.dynamic_sampling.max_rounds,
+        max_new_tokens=spec.roles.rollout.sampling.max_new_tokens,
+        data=DataSettings(prompt_key=data.prompt_key, label_key=data.label_key, reward_key=data.reward_key,
+                          shuffle=data.shuffle, media_dir=None if media_dir is None else str(media_dir)),
+        fault_tolerance=spec.fault_tolerance.model_copy(deep=True), tracing=spec.tracing.model_copy(deep=True),
+        bus_node_resource=spec.cluster.bus_node_resource)

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relax.contracts import PluginKind, RewardContext, RolloutContext
+from relax.contracts import AlgorithmContext, PluginKind, RewardContext, RolloutContext, TrainerContext
+from relax.plan.model import PluginUse, RewardUse
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 from relax.runtime.scoring import RewardEntry, RewardScorer
@@ -115,6 +116,39 @@ def role_device() -> str:
     if ray.is_initialized() and ray.get_gpu_ids() and torch.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def planned_context(use: PluginUse, model_path: str, device: str, loss: Any = None) -> Any:
+    """A planned plugin's typed context (``PluginUse.context``), completed with what only the
+    worker knows: the folder the model was materialized to, and the device Ray gave it."""
+    kind = PluginKind(use.kind)
+    if use.context is None:
+        return None
+    if kind is PluginKind.rollout:
+        context = RolloutContext.model_validate(use.context)
+    elif kind is PluginKind.trainer:
+        context = TrainerContext.model_validate(use.context).model_copy(update={"loss": loss})
+    else:
+        return AlgorithmContext.model_validate(use.context)
+    return context.model_copy(update={"model": context.model.model_copy(update={"path": model_path}),
+                                      "device": device})
+
+
+def build_planned(use: PluginUse, model_path: str = "", loss: Any = None) -> Any:
+    """A plugin as the plan says: its options and, for the kinds that take one, its context."""
+    if PluginKind(use.kind) in (PluginKind.rollout, PluginKind.trainer):
+        return build_plugin(PluginKind(use.kind), use.name, use.options,
+                            planned_context(use, model_path, role_device(), loss))
+    if use.context is not None:
+        return build_plugin(PluginKind(use.kind), use.name, use.options, planned_context(use, model_path, "cpu"))
+    return build_plugin(PluginKind(use.kind), use.name, use.options)
+
+
+def build_scorer(rewards: list[RewardUse]) -> RewardScorer:
+    """The run's planned rewards, each with its weight, time limit and error policy, in a scorer."""
+    return RewardScorer([RewardEntry(key=r.key, name=r.plugin.name, plugin=build_reward(r.plugin.name, r.plugin.options),
+                                     weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error, always=r.always)
+                         for r in rewards])
 
 
 def build_rollout(spec: RunSpec, model_path: str, threads: int | None) -> Any:

@@ -32,13 +32,11 @@ from relax.roles import Role
 from relax.runtime.checkpoint import latest_checkpoint
 from relax.runtime.deploy import Deployment, Slot, alive_nodes
 from relax.runtime.elastic import Elastic, ScaleRequest
-from relax.runtime.hosts import plan_hosts, report_names, run_roles
 from relax.runtime.metrics import MetricsLog, Progress, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
 from relax.runtime.supervision import SUPERVISE_S, ResumeRun, Supervision
 from relax.spec.models import RunSpec
-from relax.spec.rules import rollout_units
 
 
 class Controller(Deployment, Supervision, Elastic):
@@ -49,8 +47,9 @@ class Controller(Deployment, Supervision, Elastic):
         self.spec, self.plan, self.base_dir, self.output_dir = spec, plan, base_dir, output_dir
         self.model_path = model_path
         self.start_step, self.resume_from = start_step, resume_from
-        self.faults = spec.fault_tolerance
-        self.progress = Progress(spec.trainer.steps, stream)
+        self.settings = plan.settings
+        self.faults = plan.settings.fault_tolerance
+        self.progress = Progress(plan.settings.steps, stream)
         self.metrics = MetricsLog(output_dir, start_step if resume_from else None)
         self.restarts: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
@@ -70,22 +69,20 @@ class Controller(Deployment, Supervision, Elastic):
         from relax.runtime.placement import create_placement
         from relax.telemetry import StepMetricsExporter, Telemetry
 
-        spec = self.spec.model_copy(deep=True)
-        spec.trainer.output_dir = str(self.output_dir)
-        self.run_spec = spec
+        settings = self.settings
         spec_hash = hashlib.sha256(self.spec.model_dump_json().encode()).hexdigest()[:16]
         self.spec_hash = spec_hash
-        self.telemetry = Telemetry.from_spec(spec, self.output_dir, role="controller", spec_hash=spec_hash)
-        self.step_metrics = StepMetricsExporter.from_spec(spec, spec_hash=spec_hash)
+        self.telemetry = Telemetry.from_spec(settings, self.output_dir, role="controller", spec_hash=spec_hash)
+        self.step_metrics = StepMetricsExporter.from_spec(settings, spec_hash=spec_hash)
         from relax.bus import Bus
 
         # The bus first: its actors take logical CPUs that the placement groups would reserve.
-        self.bus = Bus.start(num_storage_units=1, node_resource=spec.cluster.bus_node_resource)
+        self.bus = Bus.start(num_storage_units=1, node_resource=settings.bus_node_resource)
         self.placement = create_placement(self.plan)
         control = ControlServer(self.output_dir, self.status, self.request_scale)
         start, resume_from = self.start_step, self.resume_from
         try:
-            with self.telemetry.run_span(steps=spec.trainer.steps, start_step=start, mode=self.plan.mode) as run:
+            with self.telemetry.run_span(steps=settings.steps, start_step=start, mode=self.plan.mode) as run:
                 self.carrier = run.carrier()
                 while True:
                     try:
@@ -117,10 +114,9 @@ class Controller(Deployment, Supervision, Elastic):
         from relax.runtime.ledger import RolloutLedger
         from relax.runtime.run_state import RunState
 
-        spec = self.run_spec
-        algo = spec.algorithm
-        ledger = RolloutLedger(spec.trainer.steps, algo.prompts_per_step, algo.samples_per_prompt,
-                               rollout_units(spec)[0], start_step=start)
+        settings = self.settings
+        ledger = RolloutLedger(settings.steps, settings.prompts_per_step, settings.samples_per_prompt,
+                               self.plan.rollout_work.unit_prompts, start_step=start)
         for partition in self.bus.partitions():  # a resumed attempt starts from an empty bus
             self.bus.clear(partition)
         # The control plane lives beside the driver: losing any other node must not take it along.
@@ -128,17 +124,17 @@ class Controller(Deployment, Supervision, Elastic):
         self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(ledger)
         self.attempt_start, self.resume_from_path = start, resume_from
         self._consumed = 0
-        self._slots = [Slot(host, self.placement.actor_options(host.instance))
-                       for host in plan_hosts(self.plan, run_roles(spec))]
-        self._next_replica = max((s.host.replica for s in self._slots), default=0) + 1
+        self._slots = [Slot(worker, self.placement.actor_options(worker.instance)) for worker in self.plan.workers]
+        self._next_replica = max((s.replica for s in self._slots), default=0) + 1
         try:
             alive = alive_nodes()
             for slot in self._slots:
-                if self.placement.node_of(slot.host.instance) not in alive:  # a node lost before a resume
+                if self.placement.node_of(slot.instance) not in alive:  # a node lost before a resume
                     self._move(slot, self.faults.restart_timeout_s)
                 self._launch(slot)
             for slot in self._slots:
                 self._ready(slot, self.faults.wait_timeout_s)
+            self._record_workers()
             for slot in self._slots:
                 self._begin(slot, resumed=None)
             self._watch(start)
@@ -150,10 +146,10 @@ class Controller(Deployment, Supervision, Elastic):
     # -- watching -------------------------------------------------------------------------------
 
     def _watch(self, start: int) -> None:
-        names = report_names(self.run_spec)
+        names = [name for worker in self.plan.workers for loop in worker.roles for name in loop.reports]
         last_end = time.time()
         supervised = 0.0
-        for step in range(start, self.run_spec.trainer.steps):
+        for step in range(start, self.settings.steps):
             while True:
                 # Supervise at least every SUPERVISE_S, also while steps keep arriving.
                 if time.monotonic() - supervised >= SUPERVISE_S:
@@ -184,7 +180,7 @@ class Controller(Deployment, Supervision, Elastic):
                "samples/regenerated": counters.regenerated, "samples/dropped": counters.dropped,
                "samples/trained_hash": reports[Role.actor].get("samples_hash"),
                "rollout/replicas": sum(1 for s in self._slots  # started (ready), not leaving
-                                       if Role.rollout in s.host.roles and s.ready_at and not s.draining),
+                                       if Role.rollout in s.roles and s.ready_at and not s.draining),
                "rollout/units": reports[Role.rollout].get("units", 1),
                "rollout/step_replicas": reports[Role.rollout].get("replicas", 1),
                "faults/restarts": sum(self.restarts.values())}

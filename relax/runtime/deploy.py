@@ -2,24 +2,27 @@
 spare one), waiting until it is ready, starting its task, and tearing everything down.
 
 ``Deployment`` is a part of ``relax.runtime.controller.Controller`` (a mixin): it reads the
-controller's ``run_spec``, ``plan``, ``placement``, ``state`` (the ``RunState`` handle), ``carrier``,
+controller's ``plan``, ``output_dir``, ``model_path``, ``placement``, ``state`` (the ``RunState`` handle), ``carrier``,
 ``spec_hash``, ``attempt_start``, ``resume_from_path`` and ``_slots``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.runtime.hosts import Host
+from relax.plan.model import RoleInstance, WorkerPlan
+from relax.roles import Role
 
 
 @dataclass
 class Slot:
     """One worker of the run: what it hosts, where it goes, and its current Ray actor."""
 
-    host: Host
+    wiring: WorkerPlan
+    """The worker as the plan lays it out (an extra rollout replica: the plan's replica worker)."""
     options: dict[str, Any]
     worker: Any = None
     task: Any = None
@@ -35,11 +38,27 @@ class Slot:
 
     @property
     def holder(self) -> str:
-        return self.host.holder
+        return self.wiring.holder
+
+    @property
+    def roles(self) -> list[Role]:
+        return [Role(r) for r in self.wiring.role_names]
+
+    @property
+    def replica(self) -> int:
+        return self.wiring.replica
+
+    @property
+    def instance(self) -> RoleInstance:
+        return self.wiring.instance
+
+    placement_group: str | None = None
+    """The id of the placement group Ray runs it in, as the worker itself reports it."""
 
     def started(self, info: dict[str, Any]) -> None:
         """The worker answered ``ready``: where it runs, and since when it is watched."""
         self.node, self.pid, self.ready_at = info["node"], info["pid"], time.time()
+        self.placement_group = info.get("placement_group")
         self.ranks = info.get("ranks", {})
 
 
@@ -80,9 +99,9 @@ class Deployment:
         from relax.runtime.workers import RoleWorker, WorkerLaunch
 
         # Threads: run, ready/close, and one weight send per rollout replica (collective weight sync).
-        threads = 2 + self.run_spec.roles.rollout.replica_limit
-        launch = WorkerLaunch(spec=self.run_spec, base_dir=str(self.base_dir), model_path=self.model_path,
-                              roles=slot.host.roles, holder=slot.holder, threads=slot.host.threads,
+        threads = 2 + self.plan.rollout_work.replica_limit
+        launch = WorkerLaunch(worker=slot.wiring, settings=self.plan.settings, work=self.plan.rollout_work,
+                              output_dir=str(self.output_dir), model_path=self.model_path,
                               start_step=self.attempt_start,
                               resume_from=str(self.resume_from_path) if self.resume_from_path else None,
                               run_carrier=self.carrier, spec_hash=self.spec_hash, ranks=self._ranks(slot))
@@ -92,16 +111,32 @@ class Deployment:
         """The ranks of each multi-process model role the worker hosts, with their bundles."""
         from relax.runtime.ranks import RankPlacement
 
-        return {role: [RankPlacement(i.rank, dict(i.coords), self.placement.actor_options(i) if i.rank else {})
-                       for i in instances] for role, instances in slot.host.ranks.items()}
+        return {Role(role): [RankPlacement(i.rank, dict(i.coords), self.placement.actor_options(i) if i.rank else {})
+                             for i in self.plan.instances_of(role) if i.rank in ranks]
+                for role, ranks in slot.wiring.ranks.items()}
 
     def _ready(self, slot: Slot, timeout_s: float) -> None:
         import ray
 
         slot.started(ray.get(slot.worker.ready.remote(), timeout=timeout_s))
 
+    def _record_workers(self) -> None:
+        """Write ``workers.json`` into the run folder: every worker started, where the plan put it
+        (pool, bundle, node) and where it runs as it reports itself (Ray node and placement group),
+        so anyone can check a run against its ``plan.json``."""
+        groups = {group.id.hex(): name for name, group in self.placement.groups.items()}
+        rows = [{"holder": slot.holder, "roles": [str(r) for r in slot.roles], "pool": slot.instance.pool,
+                 "bundle": slot.instance.bundles[0], "node": slot.instance.node,
+                 "ray_node": slot.node, "pid": slot.pid, "placement_group": slot.placement_group,
+                 "placement_group_pool": groups.get(slot.placement_group or ""),
+                 "moved": slot.group is not None,
+                 "ranks": {role: [{"rank": r["rank"], "ray_node": r["node"], "gpus": r["gpus"]} for r in ranks]
+                           for role, ranks in slot.ranks.items()}}
+                for slot in self._slots]
+        (self.output_dir / "workers.json").write_text(json.dumps(rows, indent=1) + "\n")
+
     def _begin(self, slot: Slot, resumed: dict[str, int] | None) -> None:
-        if slot.host.replica > 0:
+        if slot.replica > 0:
             slot.task = slot.worker.serve.remote()
         else:
             slot.task = slot.worker.run.remote(self.attempt_start, resumed)
@@ -112,7 +147,7 @@ class Deployment:
 
         if slot.group is not None:
             remove_placement_group(slot.group)
-        slot.options, slot.group = self.placement.spare(slot.host.instance, slot.holder.replace("/", "-").replace(
+        slot.options, slot.group = self.placement.spare(slot.instance, slot.holder.replace("/", "-").replace(
             "#", "-"), timeout_s)
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from relax.roles import Role
 from relax.runtime.deploy import Slot
-from relax.runtime.hosts import Host
 from relax.runtime.supervision import _cause
 
 
@@ -42,10 +41,10 @@ class Elastic:
         from relax.runtime.control import SCALE_TIMEOUT_S, ControlError
 
         replicas = request.get("rollout")
-        if self.spec.roles.rollout.max_replicas is None:
+        if self.plan.rollout_replica is None:
             raise ControlError("this run's rollout is not elastic; set roles.rollout.max_replicas (separate mode) "
                                "to scale it mid-run")
-        limit = self.spec.roles.rollout.replica_limit
+        limit = self.plan.rollout_work.replica_limit
         if not isinstance(replicas, int) or not 1 <= replicas <= limit:
             raise ControlError(f"rollout={replicas!r}: this run allows 1 to {limit} rollout replicas "
                                "(roles.rollout.max_replicas)")
@@ -60,18 +59,18 @@ class Elastic:
     def _scale(self, item: ScaleRequest) -> None:
         """Start applying a scale request. Removed replicas are asked to drain at once; new ones
         are launched here and join (``_join``) once built, without holding up supervision."""
-        rollouts = [s for s in self._slots if Role.rollout in s.host.roles and not s.draining]
+        rollouts = [s for s in self._slots if Role.rollout in s.roles and not s.draining]
         item.before = len(rollouts)
         # Replicas that host only a rollout can leave, newest first; the one hosting the step loops stays.
-        removable = sorted((s for s in rollouts if s.host.replica > 0), key=lambda s: -s.host.replica)
+        removable = sorted((s for s in rollouts if s.replica > 0), key=lambda s: -s.replica)
         try:
             if item.before - item.replicas > len(removable):
                 raise ValueError(f"{item.before} replicas run and {len(removable)} of them can be removed (the "
                                  "first replica hosts the run's step loops); ask for at least "
                                  f"{item.before - len(removable)}")
             for _ in range(item.replicas - item.before):  # grow: each new replica syncs weights first
-                first = rollouts[0].host
-                slot = Slot(Host([Role.rollout], first.instance, first.threads, replica=self._next_replica), {})
+                n = self._next_replica
+                slot = Slot(self.plan.rollout_replica.model_copy(update={"replica": n, "holder": f"rollout#{n}"}), {})
                 self._next_replica += 1
                 self._slots.append(slot)  # from now on teardown finds it
                 self._move(slot, self.faults.restart_timeout_s)
@@ -130,11 +129,11 @@ class Elastic:
         item.done.set()
 
     def _replicas(self) -> list[dict[str, Any]]:
-        return [self._describe(s) for s in self._slots if Role.rollout in s.host.roles]
+        return [self._describe(s) for s in self._slots if Role.rollout in s.roles]
 
     @staticmethod
     def _describe(slot: Slot) -> dict[str, Any]:
-        return {"holder": slot.holder, "roles": slot.host.roles, "node": slot.node, "pid": slot.pid,
+        return {"holder": slot.holder, "roles": slot.roles, "node": slot.node, "pid": slot.pid,
                 "draining": slot.draining, "ranks": slot.ranks}
 
     def status(self) -> dict[str, Any]:

@@ -90,6 +90,19 @@ def _init_ray(spec: RunSpec) -> bool:
     return False
 
 
+def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
+    """What this run executes, in its folder: ``plan.json`` (the very plan the workers are built
+    from, as ``relax plan --format json`` prints it) and ``spec.yaml`` (the spec with every default
+    and override resolved: ``relax run spec.yaml`` repeats the run)."""
+    from omegaconf import OmegaConf
+
+    from relax.plan import render
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "plan.json").write_text(render(plan, "json"))
+    (output_dir / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec.model_dump(mode="json"))))
+
+
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
     """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
     problems = preflight(spec, base_dir)
@@ -107,6 +120,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
         return EXIT_OK
     if resume_from is None and (kept := keep_previous_run(output_dir)) is not None:
         print(f"relax run: {output_dir} held an earlier run; it is kept as {kept}", file=sys.stderr)
+    write_run_record(output_dir, spec, plan)
     from relax.runtime.components import materialize_model
 
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it

@@ -24,8 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.runtime.components import build_trainer, role_device
-from relax.spec.models import RunSpec
+from relax.plan.model import PluginUse
+from relax.runtime.components import build_planned, role_device
 
 
 @dataclass
@@ -67,14 +67,14 @@ class RankWorker:
     """A rank > 0 of a multi-process model role (use as ``ray.remote(RankWorker)``): it joins the
     group, builds the role's backend and makes the calls rank 0 forwards to it."""
 
-    def __init__(self, spec: RunSpec, role: str, model_path: str, threads: int | None, rank: int, world: int,
-                 host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, trainer: PluginUse, loss: PluginUse | None, model_path: str, threads: int | None, rank: int,
+                 world: int, host: str, port: int, timeout_s: float) -> None:
         import torch
 
         if threads:
             torch.set_num_threads(threads)
         join_group(rank, world, host, port, timeout_s)
-        self.backend = build_trainer(spec, model_path, threads, role=role)
+        self.backend = build_model_backend(trainer, loss, model_path)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -93,8 +93,8 @@ class RankedTrainer:
     use (``compute_logprobs``, ``compute_values``, ``train_step``, ``weights``, ``load_weights``,
     ``save``, ``load``): every call runs on every rank."""
 
-    def __init__(self, spec: RunSpec, role: str, model_path: str, threads: int | None, ranks: list[RankPlacement],
-                 timeout_s: float) -> None:
+    def __init__(self, trainer: PluginUse, loss: PluginUse | None, role: str, model_path: str, threads: int | None,
+                 ranks: list[RankPlacement], timeout_s: float) -> None:
         import ray
         import torch.distributed as dist
 
@@ -110,10 +110,10 @@ class RankedTrainer:
                               wait_for_workers=False)
         remote = ray.remote(RankWorker)
         self.followers = [remote.options(**r.options, max_concurrency=1).remote(
-            spec, role, model_path, threads, r.rank, world, host, store.port, timeout_s) for r in ranks[1:]]
+            trainer, loss, model_path, threads, r.rank, world, host, store.port, timeout_s) for r in ranks[1:]]
         try:
             join_group(0, world, host, store.port, timeout_s, store=store)
-            self.local = build_trainer(spec, model_path, threads, role=role)
+            self.local = build_model_backend(trainer, loss, model_path)
             placed = ray.get([f.ready.remote() for f in self.followers], timeout=timeout_s)
             self.placed = [{"rank": r.rank, **info} for r, info in zip(ranks[1:], placed)]
             """Where the other ranks run (rank, pid, node, GPU ids), for ``relax status`` and tests."""
@@ -213,9 +213,15 @@ def _is_large(value: Any) -> bool:
     return isinstance(value, dict) and len(value) > 0
 
 
-def build_role_trainer(spec: RunSpec, model_path: str, threads: int | None, role: str,
-                       ranks: list[RankPlacement] | None, timeout_s: float) -> Any:
+def build_model_backend(trainer: PluginUse, loss: PluginUse | None, model_path: str) -> Any:
+    """A model role's ``relax.trainer`` backend in this process, as planned; the actor's gets its
+    built loss plugin (``loss``), the other roles none."""
+    return build_planned(trainer, model_path, loss=build_planned(loss) if loss is not None else None)
+
+
+def build_role_trainer(trainer: PluginUse, loss: PluginUse | None, role: str, model_path: str,
+                       threads: int | None, ranks: list[RankPlacement] | None, timeout_s: float) -> Any:
     """The backend of a model role: built here, or across its ranks when the plan gives it several."""
     if ranks and len(ranks) > 1:
-        return RankedTrainer(spec, role, model_path, threads, ranks, timeout_s)
-    return build_trainer(spec, model_path, threads, role=role)
+        return RankedTrainer(trainer, loss, role, model_path, threads, ranks, timeout_s)
+    return build_model_backend(trainer, loss, model_path)

@@ -1,4 +1,5 @@
-"""What every role loop of a worker shares: the spec, the bus, the run-state actor and its waits.
+"""What every role loop of a worker shares: the run's settings and this worker's wiring (both from
+the plan), the bus, the run-state actor and its waits.
 
 The data path is the bus only: the rollout writes a step's rows to partition ``step-<n>``, the
 reward and advantage tasks add their columns, and the actor takes the finished rows. ``RunState``
@@ -19,13 +20,14 @@ import ray
 import torch
 
 from relax.bus import Bus, BusBatch
+from relax.contracts import PluginKind
 from relax.roles import Column, Role
 from relax.runtime.health import Activity
 from relax.runtime.ranks import RankPlacement, build_role_trainer
 from relax.runtime.records import Lease, PolicyVersion, RunStatus, UnitInfo
 from relax.runtime.rows import relayout, restack
 from relax.runtime.run_state import partition_of
-from relax.spec.models import RunSpec
+from relax.plan.model import RoleWiring, RolloutWork, RunSettings, WorkerPlan
 from relax.telemetry import Telemetry
 
 #: Longest single wait on the control plane before re-checking whether the run was stopped.
@@ -44,8 +46,12 @@ class StalenessViolation(RuntimeError):
 class RoleEnv:
     """What every loop of a run shares inside one worker process."""
 
-    spec: RunSpec
-    base_dir: Path
+    settings: RunSettings
+    """The run-wide settings (``Plan.settings``)."""
+    worker: WorkerPlan
+    """This worker's wiring (``Plan.workers``): the loops it hosts, what each builds, reads and writes."""
+    work: RolloutWork
+    """How each step's rollout is cut into units (``Plan.rollout_work``)."""
     output_dir: Path
     bus: Bus
     state: Any
@@ -63,13 +69,17 @@ class RoleEnv:
     ranks: dict[Role, list[RankPlacement]] = field(default_factory=dict)
     """The ranks of each model role hosted here that spans several processes (rank 0 first)."""
 
-    def build_trainer(self, role: Role) -> Any:
-        """A model role's backend: in this process, or across its ranks (``relax.runtime.ranks``)."""
-        return build_role_trainer(self.spec, self.model_path, self.threads, role, self.ranks.get(role), self.timeout_s)
+    def build_trainer(self, wiring: RoleWiring) -> Any:
+        """A model role's backend as its wiring plans it (the trainer, and the actor's loss): in this
+        process, or across its ranks (``relax.runtime.ranks``)."""
+        trainer = next(p for p in wiring.plugins if p.kind == PluginKind.trainer)
+        loss = next((p for p in wiring.plugins if p.kind == PluginKind.losses), None)
+        return build_role_trainer(trainer, loss, wiring.role, self.model_path, self.threads,
+                                  self.ranks.get(wiring.role), self.timeout_s)
 
     @property
     def batch_size(self) -> int:
-        return self.spec.algorithm.prompts_per_step * self.spec.algorithm.samples_per_prompt
+        return self.settings.prompts_per_step * self.settings.samples_per_prompt
 
     def call(self, ref: Any) -> Any:
         """``ray.get`` of a call to ``RunState``, bounded (a lost control plane fails the role)."""
@@ -99,7 +109,7 @@ class RoleEnv:
 
     def lease(self, only_step: int | None) -> Lease:
         """The next rollout unit for this worker (see ``RunState.lease``)."""
-        k = self.spec.async_policy.max_staleness
+        k = self.settings.max_staleness
         return self.wait_for(lambda t: self.state.lease.remote(self.holder, k, only_step, t),
                              f"lease{(self.holder, k, only_step)}")
 

@@ -119,12 +119,12 @@ class Supervision:
             pass
 
     def _failed(self, slot: Slot, reason: str) -> None:
-        policy = self._policy(slot.host.roles)
+        policy = self._policy(slot.roles)
         if policy == "stop":
             raise RunFailed(f"{slot.holder} failed and its policy is stop (fault_tolerance.roles): {reason}")
         if policy == "resume":
-            raise ResumeRun(slot.host.roles, f"{slot.holder} failed: {reason.splitlines()[0]}")
-        self._charge(slot.host.roles, reason, "restart")
+            raise ResumeRun(slot.roles, f"{slot.holder} failed: {reason.splitlines()[0]}")
+        self._charge(slot.roles, reason, "restart")
         self._restart(slot, reason)
 
     def _restart(self, slot: Slot, reason: str) -> None:

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from relax.bus import Bus
-from relax.roles import Role
+from relax.roles import CRITIC_VALUES, Role
 from relax.runtime.checkpoint import restore_rng
 from relax.runtime.health import Heartbeat
 from relax.runtime.ranks import RankedTrainer, RankPlacement
@@ -31,27 +31,25 @@ from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
 from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
-from relax.spec.models import RunSpec
-from relax.spec.rules import weight_sync
+from relax.plan.model import RolloutWork, RunSettings, WorkerPlan
 from relax.telemetry import Telemetry
 
 
 @dataclass
 class WorkerLaunch:
-    """Everything one worker is built from (with the ``RunState`` handle, passed beside it)."""
+    """Everything one worker is built from (with the ``RunState`` handle, passed beside it): its
+    part of the plan and where this attempt of the run stands."""
 
-    spec: RunSpec
-    """The run's spec (its ``trainer.output_dir`` already resolved by the controller)."""
-    base_dir: str
-    """Where relative paths of the spec resolve (the spec file's folder)."""
+    worker: WorkerPlan
+    """Its wiring (``Plan.workers``): the role loops it hosts, their plugins, columns and channels."""
+    settings: RunSettings
+    """The run-wide settings (``Plan.settings``)."""
+    work: RolloutWork
+    """How each step's rollout is cut into units (``Plan.rollout_work``)."""
+    output_dir: str
+    """The run folder (``settings.output_dir`` resolved by the driver)."""
     model_path: str
     """The model as a local folder (built-in models are materialized by the driver first)."""
-    roles: list[Role]
-    """The roles it hosts, in data order."""
-    holder: str
-    """Its name in the run (heartbeats, rollout leases, reports)."""
-    threads: int | None
-    """Torch threads of this process."""
     start_step: int = 0
     """The step this attempt of the run starts from (a checkpoint's after a resume)."""
     resume_from: str | None = None
@@ -62,6 +60,12 @@ class WorkerLaunch:
     """The spec's hash, on every span and metric."""
     ranks: dict[Role, list[RankPlacement]] = field(default_factory=dict)
     """The ranks of each multi-process model role it hosts, with their bundles (rank 0 first)."""
+    holder: str = ""
+    """Its name in the run; the planned worker's unless it is an extra rollout replica."""
+
+    @property
+    def name(self) -> str:
+        return self.holder or self.worker.holder
 
 
 def role_failure(what: str, exc: BaseException) -> RuntimeError:
@@ -78,71 +82,74 @@ class RoleWorker:
     def __init__(self, launch: WorkerLaunch, state: Any) -> None:
         from transformers.utils import logging as hf_logging
 
-        spec, roles, threads, holder = launch.spec, launch.roles, launch.threads, launch.holder
-
+        plan, settings, holder = launch.worker, launch.settings, launch.name
         hf_logging.disable_progress_bar()
-        self.roles = roles
+        self.roles = [Role(r) for r in plan.role_names]
         self.state = state
-        self.spec = spec
-        if threads:
-            torch.set_num_threads(threads)
-        output_dir = Path(spec.trainer.output_dir)
-        output_dir = output_dir if output_dir.is_absolute() else Path(launch.base_dir) / output_dir
-        telemetry = Telemetry.from_spec(spec, output_dir, role="/".join(roles), spec_hash=launch.spec_hash,
+        self.settings = settings
+        torch.set_num_threads(plan.threads)
+        output_dir = Path(launch.output_dir)
+        telemetry = Telemetry.from_spec(settings, output_dir, role="/".join(self.roles), spec_hash=launch.spec_hash,
                                         run_carrier=launch.run_carrier)
-        faults = spec.fault_tolerance
-        self.env = RoleEnv(spec=spec, base_dir=Path(launch.base_dir), output_dir=output_dir, bus=Bus.attach(),
-                           state=state, timeout_s=faults.wait_timeout_s, threads=threads,
+        faults = settings.fault_tolerance
+        self.env = RoleEnv(settings=settings, worker=plan, work=launch.work, output_dir=output_dir, bus=Bus.attach(),
+                           state=state, timeout_s=faults.wait_timeout_s, threads=plan.threads,
                            model_path=launch.model_path, telemetry=telemetry, holder=holder, ranks=launch.ranks)
         # Beats from the start: building a model can take long, and a frozen build is a hang too.
         self.heartbeat = Heartbeat(state, holder, self.env.activity, faults.heartbeat_s)
         resume = Path(launch.resume_from) if launch.resume_from else None
         if resume is not None:
             restore_rng(resume)
-        # Weights go in memory only to a rollout in the actor's own process; everyone else (a
-        # rollout or an actor_fwd elsewhere) gets them through the object store.
-        shared = InProcessWeights() if {Role.rollout, Role.actor} <= set(roles) else None
-        # roles.rollout.weight_sync collective: the actor's channel keeps the snapshot that
-        # send_weights broadcasts (and still uses the object store for an actor_fwd elsewhere).
-        collective = shared is None and weight_sync(spec) == "collective"
-        self.weight_sender = (CollectiveWeights(self.env, object_store=spec.roles.actor_fwd is not None
-                                                and Role.actor_fwd not in roles)
-                              if collective and Role.actor in roles else None)
-        if self.weight_sender is not None:  # registered before the first publish
-            state.register_weight_sender.remote(ray.get_runtime_context().current_actor)
+        loops = {loop.task: loop for loop in plan.roles}
+        # The weight channels the plan names: in memory to a rollout in the actor's own process;
+        # over a weight group (collective), where the actor's channel keeps the snapshot that
+        # send_weights broadcasts (and still uses the object store for an actor_fwd elsewhere);
+        # else through the object store.
+        actor_wiring, rollout_wiring = loops.get(Role.actor), loops.get(Role.rollout)
+        shared = InProcessWeights() if actor_wiring and "in-process" in actor_wiring.weights_out else None
+        self.weight_sender = None
+        if actor_wiring is not None and "collective" in actor_wiring.weights_out:
+            self.weight_sender = CollectiveWeights(self.env, object_store="object-store" in actor_wiring.weights_out)
+            state.register_weight_sender.remote(ray.get_runtime_context().current_actor)  # before the first publish
         # The actor is built first so it publishes the starting weights before anyone waits.
-        actor = (ActorLoop(self.env, shared or self.weight_sender or ObjectStoreWeights(self.env), launch.start_step,
-                           resume) if Role.actor in roles else None)
-        incoming = shared or (CollectiveWeights(self.env) if collective else ObjectStoreWeights(self.env))
-        rollout = RolloutLoop(self.env, incoming) if Role.rollout in roles else None
-        reward = RewardLoop(self.env) if Role.reward in roles else None
-        advantage = AdvantageLoop(self.env) if Role.advantage in roles else None
-        reference = ForwardLoop(self.env, Role.reference) if Role.reference in roles else None
-        # actor_fwd beside the actor reuses its backend: the actor's current weights *are* the
-        # proximal policy of the step about to be trained. Elsewhere it receives the weights.
+        actor = (ActorLoop(self.env, actor_wiring, shared or self.weight_sender or ObjectStoreWeights(self.env),
+                           launch.start_step, resume) if actor_wiring else None)
+        rollout = None
+        if rollout_wiring is not None:
+            channel = rollout_wiring.weights_in
+            incoming = (shared if channel == "in-process" else
+                        CollectiveWeights(self.env) if channel == "collective" else ObjectStoreWeights(self.env))
+            rollout = RolloutLoop(self.env, rollout_wiring, incoming)
+        reward = RewardLoop(self.env, loops[Role.reward]) if Role.reward in loops else None
+        advantage = AdvantageLoop(self.env, loops[Role.advantage]) if Role.advantage in loops else None
+        reference = ForwardLoop(self.env, loops[Role.reference]) if Role.reference in loops else None
+        # actor_fwd beside the actor reuses its backend ("shared"): the actor's current weights *are*
+        # the proximal policy of the step about to be trained. Elsewhere it receives the weights.
         actor_fwd = None
-        if Role.actor_fwd in roles:
-            actor_fwd = (ForwardLoop(self.env, Role.actor_fwd, backend=actor.trainer) if actor is not None
-                         else ForwardLoop(self.env, Role.actor_fwd, weights=ObjectStoreWeights(self.env)))
-        critic_values = CriticValueLoop(self.env) if Role.critic in roles else None
-        critic = CriticTrainLoop(self.env, critic_values) if critic_values is not None else None
-        # Co-hosted roles pass a step's rows along in memory: the rollout to the scorer riding on
-        # it, the scorer to the advantage estimator; the last of them writes to the bus. An
-        # estimator that reads the critic's or the reference's columns waits for them on the bus.
-        # The scorer rides on the rollout only when one replica makes whole steps: with several,
-        # a step's units come from different processes and are scored from the bus.
-        inline = advantage if advantage is not None and not advantage.reads else None
-        if rollout is not None and spec.roles.rollout.replica_limit == 1:
-            rollout.scorer, rollout.estimator = reward, inline
-        elif reward is not None:
-            reward.handoff = inline
-        # One step of every hosted role, in data order.
-        self.loops: list[Any] = [loop for loop in (rollout, reward, reference, critic_values, advantage, actor_fwd,
-                                                   actor, critic) if loop is not None]
+        if Role.actor_fwd in loops:
+            fwd = loops[Role.actor_fwd]
+            actor_fwd = (ForwardLoop(self.env, fwd, backend=actor.trainer) if fwd.weights_in == "shared"
+                         else ForwardLoop(self.env, fwd, weights=ObjectStoreWeights(self.env)))
+        critic_values = CriticValueLoop(self.env, loops[CRITIC_VALUES]) if CRITIC_VALUES in loops else None
+        critic = CriticTrainLoop(self.env, loops[Role.critic], critic_values) if critic_values is not None else None
+        # Co-hosted roles pass a step's rows along in memory, as the plan says (``hands_to``): the
+        # rollout to the scorer riding on it, the scorer to the advantage estimator beside it; the
+        # last of them writes to the bus.
+        if rollout is not None and rollout_wiring.hands_to == Role.reward:
+            rollout.scorer = reward
+            rollout.estimator = advantage if loops[Role.reward].hands_to == Role.advantage else None
+        elif reward is not None and loops[Role.reward].hands_to == Role.advantage:
+            reward.handoff = advantage
+        by_task = {Role.rollout: rollout, Role.reward: reward, Role.reference: reference, CRITIC_VALUES: critic_values,
+                   Role.advantage: advantage, Role.actor_fwd: actor_fwd, Role.actor: actor, Role.critic: critic}
+        # One step of every hosted loop, in the plan's (data) order.
+        self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""
-        return {"roles": self.roles, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+        context = ray.get_runtime_context()
+        return {"roles": self.roles, "pid": os.getpid(), "node": context.get_node_id(),
+                "placement_group": context.get_placement_group_id(),
                 "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads(),
                 "ranks": {role: backend.placed for role, backend in self._ranked().items()}}
 
@@ -161,7 +168,7 @@ class RoleWorker:
         ``resumed`` (a worker restarted in place): per report name, the last step it reported
         before the failure; each loop picks up after it, and first gets back the rows of its
         next step that the failed process may have taken without finishing them."""
-        steps = self.spec.trainer.steps
+        steps = self.settings.steps
         starts = {loop.role: start_step for loop in self.loops}
         if resumed:
             starts = {role: max(start_step, resumed.get(role, start_step - 1) + 1) for role in starts}

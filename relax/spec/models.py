@@ -558,6 +558,17 @@ class RunSpec(Section):
         self.trainer.output_dir = self.trainer.output_dir.replace("${name}", self.name)
         return self
 
+    def rollout_units(self) -> tuple[int, int]:
+        """How a step's prompts are cut into units of rollout work: (prompts per unit, units per
+        step). A unit is leased to one rollout replica and generated again whole if that replica
+        fails. Unless ``roles.rollout.unit_prompts`` sets it, a unit is the whole step when the run
+        has one replica and is not elastic, else ``prompts_per_step / replica_limit`` rounded up
+        (one unit per replica)."""
+        prompts = self.algorithm.prompts_per_step
+        limit = self.roles.rollout.replica_limit
+        unit = self.roles.rollout.unit_prompts or (prompts if limit == 1 else -(-prompts // limit))
+        return unit, -(-prompts // unit)
+
     def trained_roles(self) -> dict[str, ForwardRole]:
         """The GPU-capable model roles that are present, by name."""
         roles = {"actor": self.roles.actor}

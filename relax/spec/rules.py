@@ -12,7 +12,6 @@ should edit and says what to do instead.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,27 +95,6 @@ def advantage_and_loss(spec: RunSpec) -> tuple[str | None, str | None]:
     advantage = spec.algorithm.advantage or (recipe.advantage if recipe else None)
     loss = spec.algorithm.loss or (recipe.loss if recipe else None)
     return advantage, loss
-
-
-#: Token columns that other model roles write and an advantage estimator may read (its ``needs``).
-ROLE_COLUMNS = {"values": "critic", "ref_logprobs": "reference"}
-
-
-def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
-    """Columns of other model roles the run's advantage estimator reads: those in its ``needs``
-    (a token-level estimator's ClassVar) whose role is present. When there are any, advantages
-    cannot be computed inside the rollout worker before the batch reaches the bus."""
-    from relax.registry import PluginError, get_registry
-
-    advantage, _ = advantage_and_loss(spec)
-    if advantage is None:
-        return ()
-    try:
-        estimator = get_registry().load(PluginKind.advantages, advantage)
-    except PluginError:
-        return ()
-    needs = _token_needs(estimator)
-    return tuple(sorted(c for c in needs if getattr(spec.roles, ROLE_COLUMNS.get(c, ""), None) is not None))
 
 
 def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any], str]]:
@@ -551,18 +529,6 @@ def check_rewards(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
             yield from ctx.registry.validate_options(kind, name, options, f"rewards[{i}].options.{field_name}_options")
 
 
-def rollout_units(spec: RunSpec) -> tuple[int, int]:
-    """How a step's prompts are cut into units of rollout work: (prompts per unit, units per step).
-
-    A unit is leased to one rollout replica and generated again whole if that replica fails. Unless
-    ``roles.rollout.unit_prompts`` sets it, a unit is the whole step when the run has one replica
-    and is not elastic, else ``prompts_per_step / replica_limit`` rounded up (one unit per replica)."""
-    prompts = spec.algorithm.prompts_per_step
-    limit = spec.roles.rollout.replica_limit
-    unit = spec.roles.rollout.unit_prompts or (prompts if limit == 1 else math.ceil(prompts / limit))
-    return unit, math.ceil(prompts / unit)
-
-
 @rule("roles", "algorithm", "placement")
 def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """An elastic rollout (``max_replicas`` above ``replicas``) runs in separate mode only, units of
@@ -586,7 +552,7 @@ def check_rollout_scaling(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue
                         f"{rollout.unit_prompts} is more than algorithm.prompts_per_step ({algo.prompts_per_step}); "
                         "a unit of rollout work is a part of one step's prompts",
                         f"set it to {algo.prompts_per_step} or less, or remove it to let the runtime choose")
-    unit, units = rollout_units(spec)
+    unit, units = spec.rollout_units()
     if algo.dynamic_sampling.enabled and units > 1:
         yield SpecIssue("algorithm.dynamic_sampling.enabled",
                         f"dynamic sampling scores and refills a whole step inside one rollout replica, but a step "
@@ -603,25 +569,6 @@ def receives_collectively(backend: type | None) -> bool:
     engine."""
     return backend is not None and all(callable(getattr(backend, m, None))
                                        for m in ("join_weight_group", "receive_weights"))
-
-
-def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
-    """The weight channel of a run outside colocate mode, ``roles.rollout.weight_sync`` resolved:
-    ``auto`` is ``collective`` where the rollout backend receives collectively and the actor and
-    the rollout have GPUs, ``object_store`` otherwise. ``backend`` defaults to the registered class."""
-    rollout = spec.roles.rollout
-    if rollout.weight_sync != "auto":
-        return rollout.weight_sync
-    if spec.placement.mode == "colocate" or not (rollout.gpus_per_replica > 0 and spec.roles.actor.gpus > 0):
-        return "object_store"
-    if backend is None:
-        from relax.registry import get_registry
-
-        try:
-            backend = get_registry().load(PluginKind.rollout, rollout.backend)
-        except PluginError:
-            return "object_store"
-    return "collective" if receives_collectively(backend) else "object_store"
 
 
 @rule("roles", "placement")

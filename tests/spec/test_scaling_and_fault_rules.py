@@ -1,5 +1,5 @@
 """Rules of elastic rollout, units of rollout work and fault tolerance (``check_rollout_scaling``,
-``check_fault_tolerance``), the ``rollout_units`` helper, and that the defaults and presets pass them.
+``check_fault_tolerance``), ``RunSpec.rollout_units``, and that the defaults and presets pass them.
 
 Specs start from the valid ``cpu_spec`` or ``gpu_spec`` (conftest.py) and break one rule each: the
 set of reported paths is exactly that rule's.
@@ -13,7 +13,6 @@ import pytest
 
 from relax.config import load_spec_dict
 from relax.spec import RunSpec, validate_spec
-from relax.spec.rules import rollout_units
 
 PRESETS = sorted((Path(__file__).parents[2] / "presets").glob("*.yaml"))
 
@@ -59,11 +58,11 @@ def spec_of(prompts: int, replicas: int = 1, max_replicas: int | None = None,
     (16, 1, None, 1, (1, 16)),
 ])
 def test_rollout_units(prompts, replicas, max_replicas, unit_prompts, expected):
-    assert rollout_units(spec_of(prompts, replicas, max_replicas, unit_prompts)) == expected
+    assert spec_of(prompts, replicas, max_replicas, unit_prompts).rollout_units() == expected
 
 
 def test_rollout_units_of_the_default_spec_is_one_whole_step():
-    assert rollout_units(RunSpec(name="default")) == (16, 1)
+    assert RunSpec(name="default").rollout_units() == (16, 1)
 
 
 # --- elastic rollout and units of rollout work ---------------------------------------------------------

@@ -8,7 +8,8 @@ import pytest
 
 from relax.registry import get_registry
 from relax.spec import RunSpec
-from relax.spec.rules import receives_collectively, weight_sync
+from relax.plan.wiring import weight_sync
+from relax.spec.rules import receives_collectively
 
 
 def test_collective_with_a_backend_that_cannot_receive(check, cpu_spec):

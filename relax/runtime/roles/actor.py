@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from relax.algo.batch import TrainBatch
-from relax.roles import FORWARD_COLUMNS, TRAIN_COLUMNS, Column, Role
+from relax.plan.model import RoleWiring
+from relax.roles import Role
 from relax.runtime.checkpoint import save_checkpoint
 from relax.runtime.role_env import RoleEnv, StalenessViolation
-from relax.runtime.rows import media_columns
 from relax.runtime.weight_channels import WeightChannel
 from relax.telemetry import CHECKPOINT, TRAIN_STEP, WEIGHT_SYNC
 
@@ -24,21 +24,21 @@ class ActorLoop:
 
     role = Role.actor
 
-    def __init__(self, env: RoleEnv, weights: WeightChannel, start_step: int, resume_from: Path | None) -> None:
+    def __init__(self, env: RoleEnv, wiring: RoleWiring, weights: WeightChannel, start_step: int,
+                 resume_from: Path | None) -> None:
         self.env, self.weights = env, weights
-        spec = env.spec
-        self.trainer = env.build_trainer(Role.actor)
-        # Token columns of the optional model roles, read (and waited for) with the advantages.
-        optional = tuple(column for role, column in FORWARD_COLUMNS.items() if getattr(spec.roles, role) is not None)
-        self.after = (Column.advantages, *optional)
-        self.fields = (*TRAIN_COLUMNS, *optional, *media_columns(spec))
+        self.trainer = env.build_trainer(wiring)
+        # The advantages, and the token columns of the optional model roles, are waited for; the
+        # tokens, log-probs and media references are read with them.
+        self.after = tuple(wiring.waits_for)
+        self.fields = tuple(wiring.reads)
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
         self.version = start_step
         self.weights.publish(start_step, self.trainer.weights())
 
     def step(self, step: int) -> dict[str, Any]:
-        spec, env = self.env.spec, self.env
+        settings, env = self.env.settings, self.env
         t0 = time.perf_counter()
         batch = env.take(step, self.after, self.fields, Role.actor)
         t1 = time.perf_counter()
@@ -49,7 +49,7 @@ class ActorLoop:
             repeated = sorted({i for i in ids if ids.count(i) > 1})
             raise RuntimeError(f"step {step} received samples {repeated[:5]} more than once; the bus holds "
                                "duplicate rows (a rollout ledger bug): refusing to train them")
-        k = spec.async_policy.max_staleness
+        k = settings.max_staleness
         tel = env.telemetry
         with tel.span(TRAIN_STEP, step=step, links=batch.meta, samples=len(versions), staleness=max(lags),
                       policy_version=step + 1) as span:
@@ -67,11 +67,11 @@ class ActorLoop:
         with tel.span(WEIGHT_SYNC, step=step, role=Role.actor, policy_version=self.version):
             self.weights.publish(self.version, self.trainer.weights())
         t4 = time.perf_counter()
-        every = spec.trainer.checkpoint_every
+        every = settings.checkpoint_every
         checkpoint_s = 0.0
-        if (every and self.version % every == 0) or self.version == spec.trainer.steps:
+        if (every and self.version % every == 0) or self.version == settings.steps:
             with tel.span(CHECKPOINT, step=step, policy_version=self.version):
-                save_checkpoint(env.output_dir, self.version, self.trainer, spec.trainer.keep_checkpoints)
+                save_checkpoint(env.output_dir, self.version, self.trainer, settings.keep_checkpoints)
             checkpoint_s = time.perf_counter() - t4
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),

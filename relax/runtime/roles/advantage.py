@@ -10,10 +10,12 @@ import torch
 from relax.algo.batch import TrainBatch
 from relax.bus import BusBatch
 from relax.roles import Column, Role
-from relax.runtime.components import build_advantage
+from relax.contracts import PluginKind
+from relax.plan.model import RoleWiring
+from relax.registry import trait
+from relax.runtime.components import build_planned
 from relax.runtime.role_env import RoleEnv, group_ids
 from relax.runtime.rows import token_column
-from relax.spec.rules import advantage_reads
 from relax.telemetry import ADVANTAGE_COMPUTE
 
 
@@ -29,13 +31,15 @@ class AdvantageLoop:
 
     role = Role.advantage
 
-    def __init__(self, env: RoleEnv) -> None:
+    def __init__(self, env: RoleEnv, wiring: RoleWiring) -> None:
         self.env = env
-        self.estimator = build_advantage(env.spec)
-        self.token_level = bool(getattr(self.estimator, "token_level", False))
-        self.reads = advantage_reads(env.spec)
-        """Columns of other roles it waits for; with any, it cannot run before the batch's put."""
-        self.writes_returns = env.spec.roles.critic is not None
+        self.estimator = build_planned(wiring.plugins[0])
+        self.token_level = bool(trait(self.estimator, PluginKind.advantages, "token_level"))
+        self.after = tuple(wiring.waits_for)
+        """What it waits for on the bus: the rewards, and the columns of other roles it reads."""
+        self.fields = tuple(wiring.reads)
+        """What it reads: rewards, and the tokens (and other roles' columns) when it needs them."""
+        self.writes_returns = Column.returns in wiring.writes
         self._stats: dict[int, dict[str, Any]] = {}
 
     def estimate(self, step: int, rewards: torch.Tensor, groups: torch.Tensor,
@@ -66,13 +70,6 @@ class AdvantageLoop:
         self._stats[step] = {"advantage_s": time.perf_counter() - started, "bus_s": 0.0}
         return produced
 
-    @property
-    def fields(self) -> tuple[Column, ...]:
-        """What it reads from the bus: rewards, and the tokens when it needs them."""
-        tokens = self.token_level or self.writes_returns
-        return (Column.rewards, *((Column.input_ids, Column.rollout_logprobs, Column.lengths) if tokens else ()),
-                *self.reads)
-
     def accept(self, step: int, batch: BusBatch, rewards: torch.Tensor) -> None:
         """Rows a reward loop in this worker took from the bus and scored: estimate, write both."""
         produced = self.estimate(step, rewards, group_ids(batch.meta), batch.fields)
@@ -80,7 +77,7 @@ class AdvantageLoop:
         self.env.announce(step, Column.rewards, *produced)
 
     def step(self, step: int) -> dict[str, Any]:
-        return self.env.bus_task(step, self._stats, (Column.rewards, *self.reads), self.fields, Role.advantage,
+        return self.env.bus_task(step, self._stats, self.after, self.fields, Role.advantage,
                                  self._from_bus)
 
     def _from_bus(self, step: int, batch: BusBatch) -> None:

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from relax.algo.batch import TrainBatch
-from relax.roles import CRITIC_VALUES, TOKEN_COLUMNS, Column, Role
+from relax.plan.model import RoleWiring
+from relax.roles import CRITIC_VALUES, Column, Role
 from relax.runtime.role_env import RoleEnv
 from relax.runtime.rows import token_column
 from relax.telemetry import TRAIN_STEP
@@ -17,14 +18,15 @@ class CriticValueLoop:
 
     role = CRITIC_VALUES
 
-    def __init__(self, env: RoleEnv) -> None:
+    def __init__(self, env: RoleEnv, wiring: RoleWiring) -> None:
         self.env = env
-        self.backend = env.build_trainer(Role.critic)
+        self.after, self.fields = tuple(wiring.waits_for), tuple(wiring.reads)
+        self.backend = env.build_trainer(wiring)
 
     def step(self, step: int) -> dict[str, Any]:
         env = self.env
         started = time.perf_counter()
-        batch = env.take(step, Column.response, TOKEN_COLUMNS, CRITIC_VALUES)
+        batch = env.take(step, self.after, self.fields, CRITIC_VALUES)
         got = time.perf_counter()
         packed = TrainBatch.from_bus(batch)
         values = self.backend.compute_values(packed)
@@ -39,14 +41,15 @@ class CriticTrainLoop:
 
     role = Role.critic
 
-    def __init__(self, env: RoleEnv, values: CriticValueLoop) -> None:
+    def __init__(self, env: RoleEnv, wiring: RoleWiring, values: CriticValueLoop) -> None:
         self.env = env
+        self.after, self.fields = tuple(wiring.waits_for), tuple(wiring.reads)
         self.backend = values.backend
 
     def step(self, step: int) -> dict[str, Any]:
         env = self.env
         started = time.perf_counter()
-        batch = env.take(step, Column.returns, (*TOKEN_COLUMNS, Column.values, Column.returns), Role.critic)
+        batch = env.take(step, self.after, self.fields, Role.critic)
         got = time.perf_counter()
         packed = TrainBatch.from_bus(batch)
         with env.telemetry.span(TRAIN_STEP, step=step, role=Role.critic, samples=packed.batch_size):

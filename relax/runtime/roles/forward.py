@@ -15,9 +15,10 @@ import time
 from typing import Any
 
 from relax.algo.batch import TrainBatch
-from relax.roles import FORWARD_COLUMNS, Column, Role
+from relax.plan.model import RoleWiring
+from relax.roles import Column, Role
 from relax.runtime.role_env import RoleEnv
-from relax.runtime.rows import token_column, token_columns
+from relax.runtime.rows import token_column
 from relax.runtime.weight_channels import WeightChannel
 from relax.telemetry import WEIGHT_SYNC
 
@@ -25,11 +26,12 @@ from relax.telemetry import WEIGHT_SYNC
 class ForwardLoop:
     """A forward-only role: one log-prob column per step (``reference`` or ``actor_fwd``)."""
 
-    def __init__(self, env: RoleEnv, role: Role, backend: Any = None,
+    def __init__(self, env: RoleEnv, wiring: RoleWiring, backend: Any = None,
                  weights: WeightChannel | None = None) -> None:
-        self.env, self.role, self.column = env, role, FORWARD_COLUMNS[role]
+        self.env, self.role, self.column = env, Role(wiring.role), Column(wiring.writes[0])
+        self.after, self.fields = tuple(wiring.waits_for), tuple(wiring.reads)
         self.weights = weights
-        self.backend = backend if backend is not None else env.build_trainer(role)
+        self.backend = backend if backend is not None else env.build_trainer(wiring)
         self.shares_actor = backend is not None
         """True when this role reuses the actor's own backend (same process): its weights are the
         actor's current ones, so nothing is synced."""
@@ -49,7 +51,7 @@ class ForwardLoop:
                 sync_s = time.perf_counter() - t
             self.version = version
         waited = time.perf_counter()
-        batch = env.take(step, Column.response, token_columns(env.spec), self.role)
+        batch = env.take(step, self.after, self.fields, self.role)
         got = time.perf_counter()
         packed = TrainBatch.from_bus(batch)
         logprobs = self.backend.compute_logprobs(packed)

@@ -11,7 +11,8 @@ import torch
 from relax.bus import BusBatch
 from relax.contracts import RewardSample
 from relax.roles import Column, Role
-from relax.runtime.components import build_rewards
+from relax.plan.model import RoleWiring
+from relax.runtime.components import build_scorer
 from relax.runtime.role_env import RoleEnv
 from relax.telemetry import REWARD_SCORE
 
@@ -29,9 +30,11 @@ class RewardLoop:
 
     role = Role.reward
 
-    def __init__(self, env: RoleEnv) -> None:
+    def __init__(self, env: RoleEnv, wiring: RoleWiring) -> None:
         self.env = env
-        self.rewards = build_rewards(env.spec)
+        self.rewards = build_scorer(wiring.rewards)
+        self.after = tuple(wiring.waits_for) or (Column.response,)
+        self.fields = tuple(wiring.reads)
         self.handoff: AdvantageLoop | None = None
         self._stats: dict[int, dict[str, Any]] = {}
 
@@ -45,7 +48,7 @@ class RewardLoop:
         ``reward_route`` metadata (that column's value) picks the rewards that score it.
         """
         started = time.perf_counter()
-        max_new_tokens = self.env.spec.roles.rollout.sampling.max_new_tokens
+        max_new_tokens = self.env.settings.max_new_tokens
         lengths = columns.get(Column.lengths)
         samples, routes = [], []
         for i, (prompt, response, label, row) in enumerate(zip(columns[Column.prompt], columns[Column.response],
@@ -59,7 +62,7 @@ class RewardLoop:
             routes.append(info.pop("reward_route", None))
             samples.append(RewardSample(prompt=prompt, response=response, label=label, metadata=info))
         with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta) as span:
-            report = self.rewards.score(samples, routes if self.env.spec.data.reward_key else None)
+            report = self.rewards.score(samples, routes if self.env.settings.data.reward_key else None)
             per_reward = report.stats()
             span.set(**{"relax.reward." + k.replace("/", "."): v for k, v in per_reward.items()})
         total = torch.tensor(report.totals, dtype=torch.float32)
@@ -74,8 +77,7 @@ class RewardLoop:
     def step(self, step: int) -> dict[str, Any]:
         # A co-hosted advantage loop gets these rows in memory: read the token columns it needs too.
         extra = tuple(f for f in self.handoff.fields if f != Column.rewards) if self.handoff is not None else ()
-        return self.env.bus_task(step, self._stats, Column.response,
-                                 (Column.prompt, Column.response, Column.label, *extra), Role.reward, self._from_bus)
+        return self.env.bus_task(step, self._stats, self.after, (*self.fields, *extra), Role.reward, self._from_bus)
 
     def _from_bus(self, step: int, batch: BusBatch) -> None:
         total = self.score(step, batch.fields, batch.meta)
