@@ -121,12 +121,12 @@ def _use(kind: PluginKind, name: str, options: dict[str, Any], context: Any = No
     return PluginUse(kind=kind.value, name=name, options=full, context=dumped)
 
 
-def _backend_options(options: dict[str, Any], threads: int) -> dict[str, Any]:
+def _backend_options(options: dict[str, Any], threads: int | None) -> dict[str, Any]:
     """A model backend's options with this worker's torch threads, unless the spec set them."""
     return {**options, "num_threads": options.get("num_threads") or threads}
 
 
-def _dataset(spec: RunSpec, base_dir: Path) -> PluginUse:
+def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
     """The training data set; a file path is taken relative to the spec's folder."""
     name, implied = dataset_plugin(spec.data.train.source)
     options = {**implied, **spec.data.train.options}
@@ -135,9 +135,35 @@ def _dataset(spec: RunSpec, base_dir: Path) -> PluginUse:
     return _use(PluginKind.datasets, name, options)
 
 
-def _rewards(spec: RunSpec) -> list[RewardUse]:
+def reward_uses(spec: RunSpec) -> list[RewardUse]:
     return [RewardUse(key=r.key, plugin=_use(PluginKind.rewards, r.name, r.options), weight=r.weight,
                       timeout_s=r.timeout_s, on_error=r.on_error, always=r.always) for r in spec.rewards]
+
+
+def rollout_use(spec: RunSpec, threads: int | None = None) -> PluginUse:
+    """The rollout backend, its options (with this worker's torch threads) and its context; the
+    model is as ``model.path`` names it (the worker puts in the folder it was materialized to)."""
+    role = spec.roles.rollout
+    return _use(PluginKind.rollout, role.backend, _backend_options(role.options, threads),
+                rollout_context(spec, spec.model.path))
+
+
+def trainer_use(spec: RunSpec, role: str, threads: int | None = None) -> PluginUse:
+    """A model role's trainer backend, its options and context (the model as for the rollout)."""
+    block = getattr(spec.roles, role)
+    return _use(PluginKind.trainer, block.backend, _backend_options(block.options, threads),
+                trainer_context(spec, role, spec.model.path))
+
+
+def advantage_use(spec: RunSpec) -> PluginUse:
+    name, _ = advantage_and_loss(spec)
+    return _use(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))
+
+
+def loss_use(spec: RunSpec) -> PluginUse:
+    """The policy loss the actor optimises."""
+    _, name = advantage_and_loss(spec)
+    return _use(PluginKind.losses, name, spec.algorithm.loss_options, algorithm_context(spec))
 
 
 # -- roles --------------------------------------------------------------------------------------
@@ -176,25 +202,23 @@ class _WorkerWiring:
         inline_advantage = {Role.reward, Role.advantage} <= roles and not reads_of_others
         advantage_tokens = critic or (estimator is not None and trait(estimator, PluginKind.advantages, "token_level"))
         if Role.rollout in roles:
-            role = spec.roles.rollout
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
             wired[Role.rollout] = RoleWiring(
                 role=Role.rollout, task=Role.rollout,
-                plugins=[_use(PluginKind.rollout, role.backend, _backend_options(role.options, self.threads),
-                              rollout_context(spec, spec.model.path)),
-                         _dataset(spec, self.base_dir), *media],
+                plugins=[rollout_use(spec, self.threads),
+                         dataset_use(spec, self.base_dir), *media],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
-                role=Role.reward, task=Role.reward, rewards=_rewards(spec), reads=[Column.prompt, Column.response, Column.label],
+                role=Role.reward, task=Role.reward, rewards=reward_uses(spec), reads=[Column.prompt, Column.response, Column.label],
                 takes_from=Role.rollout if scorer_on_rollout else None,
                 waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=[Column.rewards],
                 hands_to=Role.advantage if inline_advantage else None, reports=[Role.reward])
         if Role.reference in roles:
             wired[Role.reference] = self._forward(Role.reference, Column.ref_logprobs, weights_in=None)
         if Role.critic in roles:
-            trainer = self._trainer(Role.critic)
+            trainer = trainer_use(spec, Role.critic, self.threads)
             wired[CRITIC_VALUES] = RoleWiring(role=Role.critic, task=CRITIC_VALUES, plugins=[trainer],
                                                 reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
                                                 writes=[Column.values], reports=[CRITIC_VALUES])
@@ -204,7 +228,7 @@ class _WorkerWiring:
             name, _ = advantage_and_loss(spec)
             wired[Role.advantage] = RoleWiring(
                 role=Role.advantage, task=Role.advantage,
-                plugins=[_use(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))],
+                plugins=[advantage_use(spec)],
                 reads=[Column.rewards, *([Column.input_ids, Column.rollout_logprobs, Column.lengths] if advantage_tokens else []),
                        *reads_of_others],
                 takes_from=Role.reward if inline_advantage else None,
@@ -216,29 +240,20 @@ class _WorkerWiring:
         if Role.actor in roles:
             optional = [c for c, r in ((Column.ref_logprobs, Role.reference), (Column.old_logprobs, Role.actor_fwd))
                         if getattr(spec.roles, r) is not None]
-            _, loss = advantage_and_loss(spec)
             out = _weights_channel(spec, roles)
             outgoing = [out]
             if spec.roles.actor_fwd is not None and Role.actor_fwd not in roles and out != "object-store":
                 outgoing.append("object-store")  # an actor_fwd elsewhere loads each version from there
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
-                plugins=[self._trainer(Role.actor),
-                         _use(PluginKind.losses, loss, spec.algorithm.loss_options, algorithm_context(spec))],
+                plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
                 reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=[Column.advantages, *optional],
                 weights_out=outgoing, reports=[Role.actor])
         return [wired[name] for name in LOOP_ORDER if name in wired]
 
-    def _trainer(self, role: str) -> PluginUse:
-        """A model role's trainer backend, its options and context (the model as ``model.path``
-        names it: the worker puts in the folder it was materialized to)."""
-        block = getattr(self.spec.roles, role)
-        return _use(PluginKind.trainer, block.backend, _backend_options(block.options, self.threads),
-                    trainer_context(self.spec, role, self.spec.model.path))
-
     def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"
-        plugins = [] if shared else [self._trainer(role)]
+        plugins = [] if shared else [trainer_use(self.spec, role, self.threads)]
         return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec)],
                           waits_for=[RESPONSE_READY], writes=[column], weights_in=weights_in, reports=[role])
 

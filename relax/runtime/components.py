@@ -14,12 +14,11 @@ from typing import Any
 
 from relax.contracts import AlgorithmContext, PluginKind, RewardContext, RolloutContext, TrainerContext
 from relax.plan.model import PluginUse, RewardUse
-from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
+from relax.plan.wiring import advantage_use, dataset_use, loss_use, reward_uses, rollout_use, trainer_use
 from relax.registry import get_registry
 from relax.runtime.scoring import RewardEntry, RewardScorer
 from relax.spec.architecture import BUILTIN_PREFIX
 from relax.spec.models import RunSpec
-from relax.spec.rules import advantage_and_loss, dataset_plugin
 
 CACHE_ENV = "RELAX_CACHE"
 
@@ -53,12 +52,8 @@ def build_plugin(kind: PluginKind, name: str, options: dict[str, Any], *args: An
 
 
 def build_dataset(spec: RunSpec, base_dir: Path) -> Any:
-    """The training data set; file paths are taken relative to the spec's folder."""
-    name, implied = dataset_plugin(spec.data.train.source)
-    options = {**implied, **spec.data.train.options}
-    if "path" in implied and not Path(options["path"]).is_absolute():
-        options["path"] = str(base_dir / options["path"])
-    return build_plugin(PluginKind.datasets, name, options)
+    """The training data set as the plan builds it (a file path taken from the spec's folder)."""
+    return build_planned(dataset_use(spec, base_dir))
 
 
 def takes_reward_context(cls: type) -> bool:
@@ -92,19 +87,15 @@ def build_reward(name: str, options: dict[str, Any]) -> Any:
 
 def build_rewards(spec: RunSpec) -> RewardScorer:
     """The run's reward plugins, each with its weight, time limit and error policy, in a scorer."""
-    return RewardScorer([RewardEntry(key=r.key, name=r.name, plugin=build_reward(r.name, r.options),
-                                     weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error, always=r.always)
-                         for r in spec.rewards])
+    return build_scorer(reward_uses(spec))
 
 
 def build_advantage(spec: RunSpec) -> Any:
-    name, _ = advantage_and_loss(spec)
-    return build_plugin(PluginKind.advantages, name, spec.algorithm.advantage_options, algorithm_context(spec))
+    return build_planned(advantage_use(spec))
 
 
 def build_loss(spec: RunSpec) -> Any:
-    _, name = advantage_and_loss(spec)
-    return build_plugin(PluginKind.losses, name, spec.algorithm.loss_options, algorithm_context(spec))
+    return build_planned(loss_use(spec))
 
 
 def role_device() -> str:
@@ -151,22 +142,14 @@ def build_scorer(rewards: list[RewardUse]) -> RewardScorer:
                          for r in rewards])
 
 
-def build_rollout(spec: RunSpec, model_path: str, threads: int | None) -> Any:
-    role = spec.roles.rollout
-    options = dict(role.options)
-    if threads and "num_threads" not in options:
-        options["num_threads"] = threads
-    context = rollout_context(spec, model_path, device=role_device())
-    return build_plugin(PluginKind.rollout, role.backend, options, context)
+def build_rollout(spec: RunSpec, model_path: str, threads: int | None = None) -> Any:
+    """The rollout backend of a spec, built as a planned worker builds it (tests and benches that
+    drive plugins without a run use these ``build_*(spec, ...)``)."""
+    return build_planned(rollout_use(spec, threads), model_path)
 
 
-def build_trainer(spec: RunSpec, model_path: str, threads: int | None, role: str = "actor") -> Any:
+def build_trainer(spec: RunSpec, model_path: str, threads: int | None = None, role: str = "actor") -> Any:
     """The ``relax.trainer`` backend of a model role (actor, critic, reference, actor_fwd). Only the
     actor gets the policy loss; the critic's value loss and forward-only roles need none."""
-    block = getattr(spec.roles, role)
-    options = dict(block.options)
-    if threads and "num_threads" not in options:
-        options["num_threads"] = threads
-    context = trainer_context(spec, role, model_path, device=role_device(),
-                              loss=build_loss(spec) if role == "actor" else None)
-    return build_plugin(PluginKind.trainer, block.backend, options, context)
+    loss = build_loss(spec) if role == "actor" else None
+    return build_planned(trainer_use(spec, role, threads), model_path, loss=loss)

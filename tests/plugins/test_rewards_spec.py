@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +77,8 @@ class RecordingSpan:
 def reward_loop(overrides: dict):
     import torch  # noqa: F401  (the loop builds tensors)
 
+    from relax.plan.model import RoleWiring
+    from relax.plan.wiring import reward_uses, run_settings
     from relax.runtime.roles.reward import RewardLoop
 
     # Shape only: the loop is handed its rows, so the data set's columns (which validation checks
@@ -82,7 +86,9 @@ def reward_loop(overrides: dict):
     spec = RunSpec.model_validate({"name": "loop", "tracing": {"exporter": "none"}, **overrides})
     span = RecordingSpan()
     telemetry = SimpleNamespace(span=lambda *a, **k: span)
-    return RewardLoop(SimpleNamespace(spec=spec, telemetry=telemetry)), span
+    wiring = RoleWiring(role="reward", task="reward", rewards=reward_uses(spec), reads=["prompt", "response", "label"])
+    env = SimpleNamespace(settings=run_settings(spec, Path.cwd()), telemetry=telemetry)
+    return RewardLoop(env, wiring), span
 
 
 def test_the_reward_loop_routes_rows_and_reports_each_reward():
