@@ -200,7 +200,8 @@ class _WorkerWiring:
         # that reads columns of the critic or the reference waits for them on the bus instead.
         scorer_on_rollout = {Role.rollout, Role.reward} <= roles and spec.roles.rollout.replica_limit == 1
         inline_advantage = {Role.reward, Role.advantage} <= roles and not reads_of_others
-        advantage_tokens = critic or (estimator is not None and trait(estimator, PluginKind.advantages, "token_level"))
+        advantage_tokens = critic or (estimator is not None
+                                      and trait(estimator, PluginKind.advantages, "token_level"))
         if Role.rollout in roles:
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
             wired[Role.rollout] = RoleWiring(
@@ -211,8 +212,8 @@ class _WorkerWiring:
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
-                role=Role.reward, task=Role.reward, rewards=reward_uses(spec), reads=[Column.prompt, Column.response, Column.label],
-                takes_from=Role.rollout if scorer_on_rollout else None,
+                role=Role.reward, task=Role.reward, rewards=reward_uses(spec),
+                reads=[Column.prompt, Column.response, Column.label], takes_from=Role.rollout if scorer_on_rollout else None,
                 waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=[Column.rewards],
                 hands_to=Role.advantage if inline_advantage else None, reports=[Role.reward])
         if Role.reference in roles:
@@ -220,23 +221,22 @@ class _WorkerWiring:
         if Role.critic in roles:
             trainer = trainer_use(spec, Role.critic, self.threads)
             wired[CRITIC_VALUES] = RoleWiring(role=Role.critic, task=CRITIC_VALUES, plugins=[trainer],
-                                                reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
-                                                writes=[Column.values], reports=[CRITIC_VALUES])
-            wired[Role.critic] = RoleWiring(role=Role.critic, task=Role.critic, reads=[*TOKEN_COLUMNS, Column.values, Column.returns],
-                                         waits_for=[Column.returns], reports=[Role.critic])
+                                              reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
+                                              writes=[Column.values], reports=[CRITIC_VALUES])
+            wired[Role.critic] = RoleWiring(role=Role.critic, task=Role.critic,
+                                            reads=[*TOKEN_COLUMNS, Column.values, Column.returns],
+                                            waits_for=[Column.returns], reports=[Role.critic])
         if Role.advantage in roles:
-            name, _ = advantage_and_loss(spec)
+            tokens = [Column.input_ids, Column.rollout_logprobs, Column.lengths] if advantage_tokens else []
             wired[Role.advantage] = RoleWiring(
-                role=Role.advantage, task=Role.advantage,
-                plugins=[advantage_use(spec)],
-                reads=[Column.rewards, *([Column.input_ids, Column.rollout_logprobs, Column.lengths] if advantage_tokens else []),
-                       *reads_of_others],
+                role=Role.advantage, task=Role.advantage, plugins=[advantage_use(spec)],
+                reads=[Column.rewards, *tokens, *reads_of_others],
                 takes_from=Role.reward if inline_advantage else None,
                 waits_for=[] if inline_advantage else [Column.rewards, *reads_of_others],
                 writes=[Column.advantages, *([Column.returns] if critic else [])], reports=[Role.advantage])
         if Role.actor_fwd in roles:
             wired[Role.actor_fwd] = self._forward(Role.actor_fwd, Column.old_logprobs,
-                                               weights_in="shared" if Role.actor in roles else "object-store")
+                                                  weights_in="shared" if Role.actor in roles else "object-store")
         if Role.actor in roles:
             optional = [c for c, r in ((Column.ref_logprobs, Role.reference), (Column.old_logprobs, Role.actor_fwd))
                         if getattr(spec.roles, r) is not None]
