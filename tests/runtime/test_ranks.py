@@ -15,6 +15,7 @@ import torch
 
 from relax import testing
 from relax.runtime.components import build_trainer, materialize_model
+from relax.plan.wiring import loss_use, trainer_use
 from relax.runtime.ranks import RankedTrainer, RankPlacement
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,7 +41,8 @@ class Leader:
     def __init__(self, spec, model_path: str, world: int) -> None:
         ranks = [RankPlacement(r, {"tp": 0, "cp": 0, "dp": r, "pp": 0},
                                {} if r == 0 else {"num_cpus": 0, "num_gpus": 1}) for r in range(world)]
-        self.trainer = RankedTrainer(spec, "actor", model_path, 1, ranks, timeout_s=120)
+        self.trainer = RankedTrainer(trainer_use(spec, "actor", 1), loss_use(spec), "actor", model_path, 1, ranks,
+                                     timeout_s=120)
 
     def probe(self, batch):
         import torch.distributed as dist
