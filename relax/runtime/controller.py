@@ -35,6 +35,7 @@ from relax.runtime.elastic import Elastic, ScaleRequest
 from relax.runtime.metrics import MetricsLog, Progress, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
+from relax.runtime.startup import StartupClock
 from relax.runtime.supervision import SUPERVISE_S, ResumeRun, Supervision
 from relax.spec.models import RunSpec
 
@@ -43,11 +44,14 @@ class Controller(Deployment, Supervision, Elastic):
     """Deploys the workers of one run, joins their reports, recovers failures and stops them."""
 
     def __init__(self, spec: RunSpec, plan: Plan, base_dir: Path, output_dir: Path, model_path: str,
-                 start_step: int, resume_from: Path | None, stream: Any = None) -> None:
+                 start_step: int, resume_from: Path | None, stream: Any = None,
+                 startup: StartupClock | None = None) -> None:
         self.spec, self.plan, self.base_dir, self.output_dir = spec, plan, base_dir, output_dir
         self.model_path = model_path
         self.start_step, self.resume_from = start_step, resume_from
         self.settings = plan.settings
+        self.startup = startup or StartupClock()
+        """Where the start-up time goes (printed by ``relax run`` at the end, ``startup.json``)."""
         self.faults = plan.settings.fault_tolerance
         self.progress = Progress(plan.settings.steps, stream)
         self.metrics = MetricsLog(output_dir, start_step if resume_from else None)
@@ -78,7 +82,9 @@ class Controller(Deployment, Supervision, Elastic):
 
         # The bus first: its actors take logical CPUs that the placement groups would reserve.
         self.bus = Bus.start(num_storage_units=1, node_resource=settings.bus_node_resource)
+        self.startup.mark("bus")
         self.placement = create_placement(self.plan)
+        self.startup.mark("placement")
         control = ControlServer(self.output_dir, self.status, self.request_scale)
         start, resume_from = self.start_step, self.resume_from
         try:
@@ -135,6 +141,7 @@ class Controller(Deployment, Supervision, Elastic):
             for slot in self._slots:
                 self._ready(slot, self.faults.wait_timeout_s)
             self._record_workers()
+            self.startup.mark("workers")  # built their plugins, loaded the model, published the first weights
             for slot in self._slots:
                 self._begin(slot, resumed=None)
             self._watch(start)
@@ -169,6 +176,7 @@ class Controller(Deployment, Supervision, Elastic):
             row.update(self._fault_metrics(reports))
             last_end = end
             self.metrics.append(row)
+            self.startup.mark("first_step")
             self.progress.update(row)
             self.telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
                                        staleness=row["staleness/max"], tokens=reports[Role.rollout]["response_tokens"])

@@ -105,6 +105,10 @@ def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
 
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
     """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
+    from relax.runtime.startup import StartupClock, process_started_at
+
+    clock = StartupClock(process_started_at())
+    clock.mark("imports")  # the command line until here: imports, validation, the plan
     problems = preflight(spec, base_dir)
     if problems:
         print("relax run: this spec cannot run here:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
@@ -124,14 +128,20 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     from relax.runtime.components import materialize_model
 
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
+    clock.mark("model")
     import ray
 
     embedded = _init_ray(spec)
+    clock.mark("ray")
     try:
         from relax.runtime.controller import Controller
 
-        controller = Controller(spec, plan, base_dir, output_dir, model_path, start_step, resume_from, stream)
-        return controller.run()
+        controller = Controller(spec, plan, base_dir, output_dir, model_path, start_step, resume_from, stream,
+                                startup=clock)
+        code = controller.run()
+        print(f"relax run: {clock.line()}", file=stream or sys.stdout, flush=True)
+        clock.write(output_dir)
+        return code
     except KeyboardInterrupt:
         print("relax run: interrupted; the last checkpoint is kept for --resume", file=sys.stderr)
         return EXIT_RUN_FAILED

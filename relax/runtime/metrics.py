@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from relax.roles import CRITIC_VALUES, STEP_ROLES, Role
+
 METRICS_FILE = "metrics.jsonl"
 
 
 def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> dict[str, Any]:
     """The metrics.jsonl object of one finished step (``step`` counts optimizer steps done)."""
-    rollout, reward, advantage, actor = (reports[r] for r in ("rollout", "reward", "advantage", "actor"))
+    rollout, reward, advantage, actor = (reports[r] for r in STEP_ROLES)
     work = rollout["rollout_s"] + reward["reward_s"] + advantage["advantage_s"] + actor["train_s"]
     row: dict[str, Any] = {
         "step": step,
@@ -53,14 +55,15 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         row["sampling/filter_rate"] = rollout["sampling_filter_rate"]
         row["sampling/topped_up_groups"] = rollout["sampling_topped_up"]
     # The optional model roles: their compute counts as work; the critic's metrics are its own.
-    for name in ("reference", "actor_fwd", "critic_values"):
+    for name in (Role.reference, Role.actor_fwd, CRITIC_VALUES):
         if name in reports:
             row[f"time/{name}_s"] = reports[name]["forward_s"]
             work += reports[name]["forward_s"]
-    if "critic" in reports:
-        row["time/critic_train_s"] = reports["critic"]["train_s"]
-        work += reports["critic"]["train_s"]
-        row.update({f"critic/{k}": v for k, v in reports["critic"]["train"].items()})
+    if Role.critic in reports:
+        critic = reports[Role.critic]
+        row["time/critic_train_s"] = critic["train_s"]
+        work += critic["train_s"]
+        row.update({f"critic/{k}": v for k, v in critic["train"].items()})
     row["time/work_frac"] = work / step_s if step_s > 0 else 0.0
     return row
 

@@ -36,7 +36,13 @@ def test_the_run_writes_the_plan_it_executes_and_starts_exactly_its_workers(loca
     out = tmp_path / "planned"
     overrides = overrides_for(out)
     assert main(["run", "tiny-cpu", *overrides]) == 0
-    capsys.readouterr()
+    ran = capsys.readouterr().out
+    # the start-up before the first step, phase by phase, printed and kept
+    startup = json.loads((out / "startup.json").read_text())
+    assert list(startup["phases_s"]) == ["imports", "model", "ray", "bus", "placement", "workers", "first_step"]
+    assert all(v >= 0 for v in startup["phases_s"].values())
+    assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()))
+    assert f"start-up: {startup['total_s']:.1f} s to the first step" in ran
     assert main(["plan", "tiny-cpu", *overrides, "--format", "json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     written = json.loads((out / "plan.json").read_text())
