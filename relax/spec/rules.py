@@ -655,14 +655,17 @@ def _data_file_columns(data_file: Path, spec_path: str) -> tuple[list[set[str]] 
     return columns, issues
 
 
-def _wanted_columns(spec: RunSpec) -> list[tuple[str, str, bool]]:
-    """(path of the key in the spec, column, whether every row must have it): the prompt is read
-    from every row; a label, a reward route or a media cell may be missing from some rows."""
+def _wanted_columns(spec: RunSpec) -> list[tuple[str, str, bool, bool]]:
+    """(path of the key in the spec, column, whether every row must have it, whether the data must
+    have it at all): the prompt is read from every row; a reward route or a media cell may be
+    missing from some rows. A label may be missing from the whole data set (rewards that need none,
+    such as format or a judge, get None), so a missing label column is reported only when the data
+    has a column of a close name: a typo."""
     data = spec.data
-    wanted = [("data.prompt_key", data.prompt_key, True), ("data.label_key", data.label_key, False)]
+    wanted = [("data.prompt_key", data.prompt_key, True, True), ("data.label_key", data.label_key, False, False)]
     if data.reward_key is not None:
-        wanted.append(("data.reward_key", data.reward_key, False))
-    wanted += [(f"data.media_keys.{modality}", column, False) for modality, column in data.media_keys.items()]
+        wanted.append(("data.reward_key", data.reward_key, False, True))
+    wanted += [(f"data.media_keys.{modality}", column, False, True) for modality, column in data.media_keys.items()]
     return wanted
 
 
@@ -693,10 +696,12 @@ def check_data_columns(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                 continue  # the plugin does not say; the run reports a missing column
             rows, described = [set(declared)], f"data set '{name}'"
         found = set().union(*rows)
-        for path, column, every_row in _wanted_columns(spec):
+        for path, column, every_row, needed in _wanted_columns(spec):
             if column not in found:
                 hint = did_you_mean(column, sorted(found))
                 hint = hint if hint.startswith("did you mean") else ""
+                if not needed and not hint:
+                    continue  # no such column at all: a data set without labels
                 yield SpecIssue(path, f"'{column}' is not a column of {described} (it has "
                                 f"{', '.join(sorted(found)) or 'none'})",
                                 hint or f"set {path} to one of its columns, or fix the data")

@@ -245,3 +245,10 @@ def test_a_plugin_data_set_is_checked_against_its_declared_columns():
     issue = next(i for i in exc.value.issues)
     assert issue.path == "data.prompt_key" and "data set 'synthetic:arithmetic'" in issue.message
     assert "answer, prompt" in issue.message
+
+
+def test_a_data_set_without_labels_is_valid(check, cpu_spec, tmp_path):
+    # format or judge rewards need no label: rows without any label column get None
+    write_rows(tmp_path / "unlabelled.jsonl", [{"prompt": "say hi"}] * 3)
+    raw = data_spec(cpu_spec, "unlabelled.jsonl")
+    assert check(raw) == {}
