@@ -58,9 +58,31 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
+def resume_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
+    """The checkpoint a resume starts from: the newest one whose step already has its row in
+    ``metrics.jsonl``. The actor saves a step's checkpoint just before it reports the step, and the
+    driver writes the row once every role has reported; a driver that dies in between leaves a
+    checkpoint one step past the last row, and resuming from it would leave that step's row out for
+    good. Without such a checkpoint (no metrics yet, or older ones removed), the newest."""
     found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    last = last_metrics_step(output_dir)
+    covered = [c for c in found if last is not None and c[0] <= last]
+    return (covered or found or [None])[-1]
+
+
+def last_metrics_step(output_dir: Path) -> int | None:
+    """The step of the last complete row of ``metrics.jsonl`` (a row cut short by a crash is not
+    one), or None."""
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            last = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return last
 
 
 def restore_rng(path: Path) -> None:

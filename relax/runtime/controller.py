@@ -29,7 +29,7 @@ from typing import Any
 
 from relax.plan.model import Plan
 from relax.roles import Role
-from relax.runtime.checkpoint import latest_checkpoint
+from relax.runtime.checkpoint import resume_checkpoint
 from relax.runtime.deploy import Deployment, Slot, alive_nodes
 from relax.runtime.elastic import Elastic, ScaleRequest
 from relax.runtime.metrics import MetricsLog, Progress, step_row
@@ -96,7 +96,7 @@ class Controller(Deployment, Supervision, Elastic):
                         return 0
                     except ResumeRun as exc:
                         self._charge(exc.roles, exc.reason, "resume")
-                        found = latest_checkpoint(self.output_dir)
+                        found = resume_checkpoint(self.output_dir)
                         start, resume_from = found if found is not None else (0, None)
                         self.metrics = MetricsLog(self.output_dir, start)
                         print(f"relax run: {exc.reason}; resuming from step {start}", flush=True)

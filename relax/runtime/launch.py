@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.plan.model import Plan
-from relax.runtime.checkpoint import latest_checkpoint
+from relax.runtime.checkpoint import resume_checkpoint
 from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 
@@ -50,7 +50,7 @@ def output_path(spec: RunSpec) -> Path:
 
 def resume_point(output_dir: Path, resume: bool) -> tuple[int, Path | None]:
     """Where a run starts: its newest checkpoint with ``--resume``, step 0 otherwise."""
-    found = latest_checkpoint(output_dir)
+    found = resume_checkpoint(output_dir)
     if resume:
         if found is None:
             raise LaunchError(f"--resume: no checkpoint under {output_dir / 'checkpoints'}; run without --resume "
