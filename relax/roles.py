@@ -67,5 +67,3 @@ TRAIN_COLUMNS: tuple[Column, ...] = (Column.input_ids, Column.rollout_logprobs, 
 TOKEN_COLUMNS: tuple[Column, ...] = (Column.input_ids, Column.lengths)
 #: Token columns written by other roles than the rollout, attached to a ``TrainBatch`` when read.
 OPTIONAL_TOKEN_COLUMNS: tuple[Column, ...] = (Column.ref_logprobs, Column.old_logprobs, Column.values, Column.returns)
-#: The column each forward-only model role writes.
-FORWARD_COLUMNS: dict[Role, Column] = {Role.reference: Column.ref_logprobs, Role.actor_fwd: Column.old_logprobs}

@@ -224,10 +224,6 @@ class WorkerPlan(PlanPart):
     def bundle(self) -> int:
         return self.instance.bundles[0]
 
-    def loop(self, task: str) -> RoleWiring | None:
-        """The wiring of the loop named ``task``, if this worker hosts it."""
-        return next((r for r in self.roles if r.task == task), None)
-
     @property
     def role_names(self) -> list[str]:
         """The roles it hosts, each once, in data order."""

@@ -21,7 +21,7 @@ import torch
 
 from relax.algo.batch import TrainBatch, pack_tokens
 from relax.contracts import Generation
-from relax.roles import TOKEN_COLUMNS, Column
+from relax.roles import Column
 
 
 def media_columns(spec: Any) -> tuple[Column, ...]:
@@ -29,12 +29,6 @@ def media_columns(spec: Any) -> tuple[Column, ...]:
     row, a multimodal sample's context (prompt text and media references) as a JSON string (the
     media travel by reference, never decoded: see ``relax.media``)."""
     return (Column.media,) if spec.data.media_keys else ()
-
-
-def token_columns(spec: Any) -> tuple[Column, ...]:
-    """What a model role reads to rebuild a sample's model inputs: the tokens, and the media
-    references of a multimodal run."""
-    return (*TOKEN_COLUMNS, *media_columns(spec))
 
 
 def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: Sequence[Any],

@@ -1,7 +1,7 @@
 """The forward-only model roles: ``reference`` and ``actor_fwd``.
 
 Each reads a step's token columns from the bus, runs a forward pass with its own ``relax.trainer``
-backend, and writes one log-prob column back (``relax.roles.FORWARD_COLUMNS``):
+backend, and writes one log-prob column back:
 
 - ``reference`` writes ``ref_logprobs`` (the frozen initial policy), read by the actor's loss for
   a KL term and by a token-level estimator that puts the KL into the reward;
