@@ -9,8 +9,12 @@ consumer tasks and row metadata, never roles:
   once; different tasks each see every row;
 - each row carries a ``RowMeta`` (policy version, sample id, trace carrier) as its tag.
 
-Every call is batched: one TransferQueue round trip costs 2-4 ms however small the payload, so
-calling per sample caps a role at a few hundred samples per second (FACTS-runtime.md section 3).
+The bytes go by reference: each put's columns are one object in Ray's object store (shared memory
+on a node), and TransferQueue carries the rows' metadata (``relax.bus.payloads``), so the cost of a
+step grows with its bytes, not with rows x fields.
+
+Every call is batched: one round trip costs milliseconds however small the payload, so calling
+per sample caps a role at a few hundred samples per second (FACTS-runtime.md section 3).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 from transfer_queue import TransferQueueClient
 
 from relax.bus import deployment
-from relax.bus.columns import Column, column_nbytes, decode_columns, encode_columns
+from relax.bus.columns import Column, column_nbytes
 from relax.bus.errors import BusError, BusTimeout
+from relax.bus.keeper import PackedColumn
+from relax.bus.payloads import ObjectStoreManager, pack_columns, pack_objects
 from relax.bus.records import BusBatch, PartitionCounts, RowHandle, RowMeta
 
 #: First sleep between two polls of a waiting ``get``; it doubles up to the cap below.
@@ -41,6 +47,9 @@ _CONTROLLER_TIMEOUT_S = 30.0
 _MIN_POLL_REQUEST_S = 5.0
 #: Extra wait for the client's event loop itself, should a request not unwind after its timeout.
 _LOOP_GRACE_S = 5.0
+
+#: The field that carries each row's ``RowMeta`` (as its tag dict), written with the row's first put.
+ROW_META_FIELD = "__row_meta__"
 
 _T = TypeVar("_T")
 
@@ -65,17 +74,16 @@ class Bus:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, num_storage_units: int = 1, *, storage_capacity: int | None = None,
-              node_resource: str | None = None) -> Bus:
+    def start(cls, *, node_resource: str | None = None) -> Bus:
         """Start TransferQueue in the current Ray cluster and return the owning handle.
 
-        Ray must already be initialised with spare logical CPUs: one for the controller and one
-        per storage unit (``ray.init(num_cpus=8)`` is plenty). Starting takes about 6 s.
-        ``storage_capacity`` caps the rows held across all storage units (``None``: no cap).
-        Only one deployment can run per Ray cluster; closing the owner stops it for everyone.
-        ``node_resource``: place the storage units only on nodes that have this Ray custom resource.
+        Ray must already be initialised with a spare logical CPU for TransferQueue's controller
+        (``ray.init(num_cpus=8)`` is plenty). Starting takes a few seconds (a new process).
+        Only one deployment can run per Ray cluster; closing the owner stops it for everyone, and
+        frees every payload still on the bus. ``node_resource``: place the payload keeper (the
+        owner of the payloads) only on nodes that have this Ray custom resource.
         """
-        return cls(deployment.start_deployment(num_storage_units, storage_capacity, node_resource), owner=True)
+        return cls(deployment.start_deployment(node_resource), owner=True)
 
     @classmethod
     def attach(cls, timeout_s: float = 60.0) -> Bus:
@@ -97,7 +105,7 @@ class Bus:
         return self.bytes_put + self.bytes_got
 
     def close(self) -> None:
-        """Release this handle. The owner also stops the controller and storage units. Idempotent."""
+        """Release this handle. The owner also stops the controller and the payload keeper. Idempotent."""
         if self._client is None:
             return
         if self._owner:
@@ -143,17 +151,17 @@ class Bus:
         row_meta = [RowMeta.coerce(m) for m in meta]
         if not row_meta:
             raise BusError(f"put to partition {partition!r} with no rows; give at least one")
-        data = encode_columns(rows, len(row_meta))
+        if ROW_META_FIELD in rows:
+            raise BusError(f"{ROW_META_FIELD!r} is the bus's own field (each row's RowMeta); name the column otherwise")
+        columns = pack_columns(rows, len(row_meta))
+        columns[ROW_META_FIELD] = pack_objects([m.to_tag() for m in row_meta])
         batch_meta = self._ask(
             f"for new rows in partition {partition!r}",
             lambda c: c.async_get_meta(
-                data_fields=list(data.keys()), batch_size=len(row_meta), partition_id=partition, mode="insert"
+                data_fields=list(columns), batch_size=len(row_meta), partition_id=partition, mode="insert"
             ),
         )
-        batch_meta.update_custom_meta([m.to_tag() for m in row_meta])
-        self._ask(f"to tag rows of partition {partition!r}", lambda c: c.async_set_custom_meta(batch_meta))
-        batch_meta = self.client.put(data, metadata=batch_meta)
-        self.bytes_put += column_nbytes(data)
+        self._store(partition, batch_meta.global_indexes, columns)
         return RowHandle(partition=partition, batch_meta=batch_meta)
 
     def write_fields(self, target: BusBatch | RowHandle, fields: Mapping[str, Column]) -> None:
@@ -164,9 +172,24 @@ class Bus:
         entry per row, in the order of ``target``.
         """
         handle = target.handle if isinstance(target, BusBatch) else target
-        data = encode_columns(fields, len(handle))
-        self.client.put(data, metadata=handle.batch_meta.copy())
-        self.bytes_put += column_nbytes(data)
+        self._store(handle.partition, handle.batch_meta.global_indexes, pack_columns(fields, len(handle)))
+
+    def _store(self, partition: str, rows: list[int], columns: dict[str, PackedColumn]) -> None:
+        """The payload into the object store, then the controller told that the rows hold it (in
+        that order: a reader never sees a field whose bytes are not there yet)."""
+        manager = self._storage
+        manager.store(partition, list(rows), columns)
+        self._ask(f"to announce fields of partition {partition!r}",
+                  lambda c: manager.announce(partition, list(rows), columns))
+        self.bytes_put += sum(c.nbytes for c in columns.values())
+
+    @property
+    def _storage(self) -> ObjectStoreManager:
+        manager = self.client.storage_manager
+        if not isinstance(manager, ObjectStoreManager):
+            raise BusError(f"this bus's TransferQueue client stores data in {type(manager).__name__}, "
+                           "not the object store; attach with Bus.attach()")
+        return manager
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -214,14 +237,14 @@ class Bus:
                 raise self._timeout(partition, task, fields, batch_size, timeout_s)
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _MAX_POLL_S)
-        data = self.client.get_data(batch_meta)
-        columns = decode_columns(data, batch_meta.field_schema, fields)
+        columns = self._storage.fetch(partition, list(batch_meta.global_indexes), [*fields, ROW_META_FIELD])
+        tags = columns.pop(ROW_META_FIELD)
         self.bytes_got += sum(column_nbytes(v) for v in columns.values())
         return BusBatch(
             partition=partition,
             task=task,
             fields=columns,
-            meta=[RowMeta.from_tag(tag) for tag in batch_meta.custom_meta],  # from_tag copies; no deepcopy
+            meta=[RowMeta.from_tag(tag) for tag in tags],
             handle=RowHandle(partition=partition, batch_meta=batch_meta),
         )
 
@@ -337,3 +360,4 @@ class Bus:
                 f"TransferQueue did not answer {what} within {timeout_s:g}s; is the bus still running "
                 "(was its owner closed, or the driver stopped)?"
             ) from None
+

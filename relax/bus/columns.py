@@ -1,16 +1,13 @@
 """Converting columns between what roles hold and what TransferQueue stores.
 
-Roles write a column as one of three kinds, and get the same kind back:
+Roles write a column as one of three kinds, and get the same kind back (``relax.bus.payloads``
+stores them; ``encode_columns`` builds the ``TensorDict`` TransferQueue's own API speaks):
 
 - **dense**: a ``Tensor`` whose first dimension is the row; every row has the same shape.
 - **ragged**: a ``list[Tensor]``, one tensor per row, shapes may differ (token ids of different
   lengths, images of different sizes). Stored as a nested tensor: jagged layout when only the
   first row dimension varies, strided layout otherwise.
 - **objects**: a ``list`` of picklable non-tensors (strings, dicts), stored as a ``NonTensorStack``.
-
-TransferQueue hands tensor columns back as jagged ``NestedTensor`` even when they were dense on
-the way in (``torch.cat`` then fails), so ``decode_columns`` re-densifies them using the field
-schema the controller recorded at put time.
 """
 
 from __future__ import annotations
@@ -72,44 +69,6 @@ def _pack_list(name: str, values: list[Any]) -> torch.Tensor | NonTensorStack:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
         return torch.nested.nested_tensor(values, layout=torch.strided)
-
-
-def decode_columns(
-    data: TensorDict, schema: Mapping[str, Mapping[str, Any]], fields: Sequence[str]
-) -> dict[str, Column]:
-    """Unpack what ``get_data`` returned into the kinds the producer wrote (see module doc)."""
-    out: dict[str, Column] = {}
-    for name in fields:
-        value = data.get(name)
-        info = schema.get(name, {})
-        if info.get("is_non_tensor") or not isinstance(value, torch.Tensor):
-            out[name] = value.tolist() if hasattr(value, "tolist") else list(value)
-        elif info.get("is_nested"):
-            out[name] = list(value.unbind())
-        else:
-            out[name] = _densify(name, value)
-    return out
-
-
-def _densify(name: str, value: torch.Tensor) -> torch.Tensor:
-    if not value.is_nested:
-        return value
-    if value.layout == torch.jagged and value.dim() == 2:
-        # Rows of one length: the packed values already are the dense tensor (10x cheaper than
-        # unbinding and stacking 128 rows).
-        offsets = value.offsets()
-        lengths = offsets.diff()
-        if lengths.numel() and bool((lengths == lengths[0]).all()):
-            return value.values()[offsets[0]:offsets[-1]].reshape(value.size(0), int(lengths[0]))
-    rows = value.unbind()
-    if len({r.shape for r in rows}) != 1:
-        shapes = sorted({tuple(r.shape) for r in rows})
-        raise BusError(
-            f"field {name!r} was written as dense tensors, but the rows of this batch came from puts "
-            f"with different row shapes {shapes[:4]}; write variable-length fields as a list of "
-            "tensors (one per row)"
-        )
-    return torch.stack(rows)
 
 
 def column_nbytes(value: Column | TensorDict | NonTensorStack) -> int:

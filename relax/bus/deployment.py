@@ -4,10 +4,11 @@ How TransferQueue 0.1.11 runs (read from its ``interface.py``, ``controller.py``
 ``storage/bootstrap``):
 
 - ``transfer_queue.init(conf)`` in one process creates a named Ray actor
-  ``TransferQueueController`` (namespace ``transfer_queue``, 1 logical CPU) and
-  ``num_data_storage_units`` ``SimpleStorageUnit`` actors (1 logical CPU each, pinned
-  round-robin to nodes), then stores the merged config, including every actor's ZMQ address,
-  in the controller. Data then moves by ZMQ, not through Ray's object store.
+  ``TransferQueueController`` (namespace ``transfer_queue``, 1 logical CPU), runs the storage
+  backend's bootstrap, then stores the merged config, including the controller's ZMQ address,
+  in the controller. Our backend (``relax.bus.payloads``, ``RelaxObjectStore``) keeps the data in
+  Ray's object store; its bootstrap starts only the payload keeper (no logical CPU), so the bus
+  is one TransferQueue process plus one small actor.
 - Any other process of the same Ray cluster reaches the same deployment by looking the
   controller up by name and reading that config (``get_config``); it is ``None`` until the
   starting process has finished. We do that ourselves (``connect_client``) instead of calling
@@ -17,6 +18,8 @@ How TransferQueue 0.1.11 runs (read from its ``interface.py``, ``controller.py``
 - Ray must already be initialised and have spare logical CPUs, or those actors stay pending and
   ``init`` blocks forever (FACTS-runtime.md section 3: the shipped demo hangs on a 2-CPU Ray).
   ``ray.init(num_cpus=8)`` is plenty on a laptop.
+- A storage backend is found by name in TransferQueue's registries, which live in each process:
+  importing ``relax.bus.payloads`` (this module does) registers ours before ``init`` or a client.
 - The controller must run in polling mode: otherwise a ``get_meta`` with too few ready rows
   blocks the controller for ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` (1 s) and then raises,
   which makes waiting consumers expensive for everybody.
@@ -32,6 +35,7 @@ from typing import Any
 import psutil
 import ray
 
+from relax.bus import payloads
 from relax.bus.errors import BusError
 
 # TransferQueue reads this once, at import, and warns on every put/get when it exceeds the
@@ -45,10 +49,8 @@ from transfer_queue import TransferQueueClient  # noqa: E402
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 
-#: Logical CPUs the TransferQueue controller actor asks Ray for.
+#: Logical CPUs the TransferQueue controller actor asks Ray for (the payload keeper takes none).
 _CONTROLLER_CPUS = 1
-#: Logical CPUs each SimpleStorage unit actor asks Ray for.
-_STORAGE_UNIT_CPUS = 1
 
 
 def _require_ray() -> None:
@@ -68,15 +70,12 @@ def find_controller() -> Any | None:
         return None
 
 
-def start_deployment(num_storage_units: int, storage_capacity: int | None,
-                     node_resource: str | None = None) -> TransferQueueClient:
-    """Start the controller and storage units in this Ray cluster; return this process's client.
+def start_deployment(node_resource: str | None = None) -> TransferQueueClient:
+    """Start the controller and the payload keeper in this Ray cluster; return this process's client.
 
-    Refuses, rather than hangs, when Ray lacks the logical CPUs the actors need, and refuses to
+    Refuses, rather than hangs, when Ray lacks the logical CPU the controller needs, and refuses to
     silently join a deployment somebody else started (``transfer_queue.init`` would).
     """
-    if num_storage_units < 1:
-        raise BusError(f"num_storage_units must be at least 1, got {num_storage_units}")
     if find_controller() is not None:
         raise BusError(
             "a TransferQueue controller is already running in this Ray cluster; use Bus.attach() to join it, "
@@ -86,22 +85,17 @@ def start_deployment(num_storage_units: int, storage_capacity: int | None,
                                              for n in ray.nodes()):
         raise BusError(f"no alive Ray node has the custom resource {node_resource!r} (cluster.bus_node_resource); "
                        f"start a node with --resources '{{\"{node_resource}\": 1}}' or unset it")
-    need = _CONTROLLER_CPUS + _STORAGE_UNIT_CPUS * num_storage_units
     free = ray.available_resources().get("CPU", 0.0)
-    if free < need:
+    if free < _CONTROLLER_CPUS:
         raise BusError(
-            f"TransferQueue needs {need} free logical CPUs in Ray (controller + {num_storage_units} storage "
-            f"unit(s)), but only {free:g} are free; start Ray with more, e.g. ray.init(num_cpus=8)"
+            f"TransferQueue's controller needs {_CONTROLLER_CPUS} free logical CPU in Ray, but only {free:g} "
+            "are free; start Ray with more, e.g. ray.init(num_cpus=8)"
         )
     conf = {
         "controller": {"polling_mode": True},
         "backend": {
-            "storage_backend": "SimpleStorage",
-            "SimpleStorage": {
-                "num_data_storage_units": num_storage_units,
-                "total_storage_size": storage_capacity,
-                "required_node_resource": node_resource,
-            },
+            "storage_backend": payloads.BACKEND,
+            payloads.BACKEND: {"required_node_resource": node_resource},
         },
     }
     tq.init(conf)
@@ -109,8 +103,13 @@ def start_deployment(num_storage_units: int, storage_capacity: int | None,
 
 
 def stop_deployment() -> None:
-    """Stop the storage units and the controller this process started, and close its client."""
+    """Stop the controller and the payload keeper this process started (the payloads go with the
+    keeper, their owner), and close its client."""
     tq.close()
+    try:
+        ray.kill(payloads.find_keeper())
+    except BusError:
+        pass
 
 
 def connect_client(timeout_s: float) -> TransferQueueClient:
@@ -140,6 +139,9 @@ def connect_client(timeout_s: float) -> TransferQueueClient:
             "block it; start it with Bus.start() (which sets controller.polling_mode=True)"
         )
     backend = conf.backend.storage_backend
+    if backend != payloads.BACKEND:
+        raise BusError(f"the running TransferQueue stores data in {backend!r}, not in Relax's {payloads.BACKEND!r}; "
+                       "it was not started by Bus.start() (close it, or start Relax on another Ray cluster)")
     client = TransferQueueClient(
         client_id=f"relax-bus-{os.getpid()}-{uuid.uuid4().hex[:8]}", controller_info=conf.controller.zmq_info
     )

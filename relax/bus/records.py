@@ -23,9 +23,9 @@ _KNOWN_META_KEYS = ("policy_version", "sample_id", "trace")
 class RowMeta:
     """Small per-row metadata that travels with a row from its producer to every consumer.
 
-    It is held by the TransferQueue controller as the row's tag (``custom_meta``), not in the
-    storage units, so a consumer gets it back with the row without asking for an extra field.
-    Keep it small: it goes through the controller on every put and get.
+    It travels in the row's payload as its tag dict (the bus's own field ``__row_meta__``), so a
+    consumer gets it back with the row without asking for it. Keep it small: every reader of the
+    row reads it.
     """
 
     policy_version: int

@@ -81,7 +81,7 @@ class Controller(Deployment, Supervision, Elastic):
         from relax.bus import Bus
 
         # The bus first: its actors take logical CPUs that the placement groups would reserve.
-        self.bus = Bus.start(num_storage_units=1, node_resource=settings.bus_node_resource)
+        self.bus = Bus.start(node_resource=settings.bus_node_resource)
         self.startup.mark("bus")
         self.placement = create_placement(self.plan)
         self.startup.mark("placement")

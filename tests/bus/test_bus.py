@@ -23,7 +23,7 @@ def bus() -> Iterator[Bus]:
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    handle = Bus.start(num_storage_units=1)
+    handle = Bus.start()
     yield handle
     handle.close()
     if started_ray:
@@ -241,3 +241,60 @@ def test_an_actor_in_another_process_attaches_reads_and_writes_back(bus: Bus, pa
     # The rewards the other process wrote are visible here, and its close left the bus running.
     batch = bus.get(partition, ["idx", "rewards"], task="actor", batch_size=n, timeout_s=10)
     assert torch.equal(batch["rewards"], batch["idx"].float() + 100)
+
+
+@ray.remote(num_cpus=0)
+class _Producer:
+    """A writer in its own process, killed after its put (as a failed rollout worker would be)."""
+
+    def __init__(self) -> None:
+        self.bus = Bus.attach(timeout_s=30)
+
+    def put(self, partition: str, n: int) -> None:
+        self.bus.put(partition, {"idx": torch.arange(n), "text": [f"t{i}" for i in range(n)]}, _meta(n))
+
+
+def test_rows_outlive_the_process_that_wrote_them(bus: Bus, partition: str) -> None:
+    producer = _Producer.remote()
+    ray.get(producer.put.remote(partition, 6), timeout=90)
+    ray.kill(producer, no_restart=True)
+    time.sleep(1.0)  # let Ray notice the dead worker (an object it owned would be lost now)
+    batch = bus.get(partition, ["idx", "text"], task="actor", batch_size=6, timeout_s=10)
+    assert batch["idx"].tolist() == list(range(6)) and batch["text"] == [f"t{i}" for i in range(6)]
+
+
+def test_clearing_a_partition_releases_its_payloads(bus: Bus, partition: str) -> None:
+    from relax.bus.payloads import find_keeper
+
+    keeper = find_keeper()
+    bus.put(partition, {"x": torch.zeros(4, 2)}, _meta(4))
+    batch = bus.get(partition, ["x"], task="reward", batch_size=4, timeout_s=10)
+    bus.write_fields(batch, {"rewards": torch.ones(4)})
+    assert ray.get(keeper.held.remote())[partition] == 2  # the put and the reward write
+    bus.clear(partition)
+    assert partition not in ray.get(keeper.held.remote())
+    assert partition not in bus.partitions()
+
+
+def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partition: str) -> None:
+    """A reader may take rows of several puts at once, and a later write of a field wins."""
+    bus.put(partition, {"idx": torch.arange(3), "w": torch.zeros(3, 2, dtype=torch.bfloat16),
+                        "ids": [torch.arange(i + 1) for i in range(3)]}, _meta(3, prefix="a"))
+    bus.put(partition, {"idx": torch.arange(3, 5), "w": torch.ones(2, 2, dtype=torch.bfloat16),
+                        "ids": [torch.arange(7), torch.arange(2)]}, _meta(2, prefix="b"))
+    first = bus.get(partition, ["idx"], task="reward", batch_size=2, timeout_s=10)
+    bus.write_fields(first, {"w": torch.full((2, 2), 5.0, dtype=torch.bfloat16)})
+    batch = bus.get(partition, ["idx", "w", "ids"], task="actor", batch_size=5, timeout_s=10)
+    idx = batch["idx"].tolist()
+    assert sorted(idx) == list(range(5)) and batch["w"].dtype == torch.bfloat16
+    rewritten = set(first["idx"].tolist())
+    for row, i in enumerate(idx):
+        expected = 5.0 if i in rewritten else (0.0 if i < 3 else 1.0)
+        assert batch["w"][row].tolist() == [expected, expected]
+        assert batch["ids"][row].tolist() == ([*range(i + 1)] if i < 3 else [*range(7 if i == 3 else 2)])
+        assert batch.meta[row].sample_id == (f"a{i}" if i < 3 else f"b{i - 3}")
+
+
+def test_the_bus_field_name_is_reserved(bus: Bus, partition: str) -> None:
+    with pytest.raises(BusError, match="bus's own field"):
+        bus.put(partition, {"__row_meta__": torch.zeros(1)}, _meta(1))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from relax.bus import BusError, RowMeta, pad_rows
-from relax.bus.columns import column_nbytes, decode_columns, encode_columns
+from relax.bus.columns import column_nbytes, encode_columns
+from relax.bus.payloads import pack_columns, unpack
 
 
 def test_encode_keeps_dense_tensors_and_packs_lists() -> None:
@@ -36,20 +37,54 @@ def test_encode_rejects_mixed_list() -> None:
         encode_columns({"x": [torch.zeros(1), "a"]}, num_rows=2)
 
 
-def test_decode_densifies_jagged_fields_written_dense() -> None:
-    rows = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
-    returned = TensorDict({"x": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[2])
-    schema = {"x": {"is_nested": False, "is_non_tensor": False}}
-    out = decode_columns(returned, schema, ["x"])
-    assert isinstance(out["x"], torch.Tensor) and not out["x"].is_nested
-    assert torch.equal(out["x"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+def _round_trip(columns: dict, num_rows: int, rows: list[int] | None = None) -> dict:
+    """Pack as a put would, then take ``rows`` (all, in order, by default) as a get would."""
+    packed = pack_columns(columns, num_rows)
+    if rows is None:
+        pieces = [(0, None, None)]
+    else:
+        pieces = [(0, np.asarray(rows), np.arange(len(rows)))]
+    n = num_rows if rows is None else len(rows)
+    return {name: unpack(name, [packed], pieces, n) for name in columns}
 
 
-def test_decode_refuses_dense_field_with_unequal_rows() -> None:
-    rows = [torch.zeros(2), torch.zeros(3)]
-    returned = TensorDict({"x": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[2])
-    with pytest.raises(BusError, match="list of tensors"):
-        decode_columns(returned, {"x": {"is_nested": False}}, ["x"])
+def test_payload_columns_come_back_as_the_kind_written() -> None:
+    images = [torch.rand(3, 4, 5), torch.rand(3, 2, 2)]
+    columns = {"ids": torch.arange(6).reshape(2, 3), "half": torch.randn(2, 4).to(torch.bfloat16),
+               "ragged": [torch.arange(4), torch.arange(1)], "images": images, "text": ["a", {"b": 1}],
+               "scalars": [torch.tensor(1.5), torch.tensor(2.5)]}
+    out = _round_trip(columns, 2)
+    assert torch.equal(out["ids"], columns["ids"])
+    assert out["half"].dtype == torch.bfloat16 and torch.equal(out["half"], columns["half"])
+    assert [r.tolist() for r in out["ragged"]] == [[0, 1, 2, 3], [0]]
+    assert all(torch.equal(a, b) for a, b in zip(out["images"], images))
+    assert out["text"] == ["a", {"b": 1}]
+    assert torch.equal(out["scalars"], torch.tensor([1.5, 2.5]))
+
+
+def test_payload_rows_are_taken_in_the_readers_order_and_writable() -> None:
+    out = _round_trip({"x": torch.arange(8).reshape(4, 2), "r": [torch.arange(i + 1) for i in range(4)],
+                       "t": ["a", "b", "c", "d"]}, 4, rows=[3, 0, 2])
+    assert out["x"].tolist() == [[6, 7], [0, 1], [4, 5]]
+    assert [len(r) for r in out["r"]] == [4, 1, 3] and out["t"] == ["d", "a", "c"]
+    out["x"][0, 0] = 100  # a reader's copy: changing it changes nothing on the bus
+    assert out["x"][0, 0] == 100
+
+
+def test_payload_rows_of_different_widths_come_back_one_tensor_per_row() -> None:
+    first, second = pack_columns({"x": torch.zeros(2, 3)}, 2), pack_columns({"x": torch.ones(1, 5)}, 1)
+    pieces = [(0, np.arange(2), np.array([0, 2])), (1, np.arange(1), np.array([1]))]
+    out = unpack("x", [first, second], pieces, 3)
+    assert [tuple(r.shape) for r in out] == [(3,), (5,), (3,)]
+
+
+def test_pack_rejects_wrong_row_counts_and_mixed_lists() -> None:
+    with pytest.raises(BusError, match="'rewards' has 2 rows but the batch has 3"):
+        pack_columns({"rewards": torch.zeros(2)}, 3)
+    with pytest.raises(BusError, match="mixes tensors and non-tensors"):
+        pack_columns({"x": [torch.zeros(1), "a"]}, 2)
+    with pytest.raises(BusError, match="0-d tensor"):
+        pack_columns({"x": torch.tensor(1.0)}, 1)
 
 
 def test_pad_rows_right_and_left() -> None:

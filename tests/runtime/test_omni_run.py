@@ -68,7 +68,7 @@ def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_pa
     decoded = sum(media.load(ref).data.__sizeof__() if not hasattr(media.load(ref).data, "nbytes")
                   else media.load(ref).data.nbytes for r in rows for ref in loads_context(r["media"])[1])
     with local_ray():
-        bus = Bus.start(num_storage_units=1)
+        bus = Bus.start()
         try:
             bus.put("step-0", columns, [RowMeta(policy_version=0, sample_id=f"s{i}") for i in range(len(gens))])
             read = bus.get("step-0", [*TRAIN_COLUMNS, *media_columns(spec)], task="actor", batch_size=len(gens),
