@@ -172,6 +172,8 @@ class Bus:
         entry per row, in the order of ``target``.
         """
         handle = target.handle if isinstance(target, BusBatch) else target
+        if handle is None:
+            raise BusError("these rows were handed over in memory, not taken from the bus: put them instead")
         self._store(handle.partition, handle.batch_meta.global_indexes, pack_columns(fields, len(handle)))
 
     def _store(self, partition: str, rows: list[int], columns: dict[str, PackedColumn]) -> None:

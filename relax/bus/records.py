@@ -95,7 +95,8 @@ class BusBatch:
     task: str
     fields: dict[str, Column]
     meta: list[RowMeta]
-    handle: RowHandle
+    handle: RowHandle | None
+    """Where the rows are on the bus (for ``write_fields``); None for rows handed over in memory."""
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -108,7 +109,8 @@ class BusBatch:
         index = torch.tensor(list(indices), dtype=torch.long)
         fields = {name: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in indices]
                   for name, value in self.fields.items()}
-        handle = RowHandle(self.handle.partition, self.handle.batch_meta.select_samples(list(indices)))
+        handle = (None if self.handle is None else
+                  RowHandle(self.handle.partition, self.handle.batch_meta.select_samples(list(indices))))
         return BusBatch(partition=self.partition, task=self.task, fields=fields,
                         meta=[self.meta[i] for i in indices], handle=handle)
 

@@ -200,6 +200,7 @@ class _WorkerWiring:
         # that reads columns of the critic or the reference waits for them on the bus instead.
         scorer_on_rollout = {Role.rollout, Role.reward} <= roles and spec.roles.rollout.replica_limit == 1
         inline_advantage = {Role.reward, Role.advantage} <= roles and not reads_of_others
+        inline_actor = scorer_on_rollout and inline_advantage and self._actor_takes_in_memory()
         advantage_tokens = critic or (estimator is not None
                                       and trait(estimator, PluginKind.advantages, "token_level"))
         if Role.rollout in roles:
@@ -233,7 +234,8 @@ class _WorkerWiring:
                 reads=[Column.rewards, *tokens, *reads_of_others],
                 takes_from=Role.reward if inline_advantage else None,
                 waits_for=[] if inline_advantage else [Column.rewards, *reads_of_others],
-                writes=[Column.advantages, *([Column.returns] if critic else [])], reports=[Role.advantage])
+                writes=[Column.advantages, *([Column.returns] if critic else [])],
+                hands_to=Role.actor if inline_actor else None, reports=[Role.advantage])
         if Role.actor_fwd in roles:
             wired[Role.actor_fwd] = self._forward(Role.actor_fwd, Column.old_logprobs,
                                                   weights_in="shared" if Role.actor in roles else "object-store")
@@ -247,9 +249,22 @@ class _WorkerWiring:
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
                 plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
-                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)], waits_for=[Column.advantages, *optional],
+                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)],
+                takes_from=Role.advantage if inline_actor else None,
+                waits_for=[] if inline_actor else [Column.advantages, *optional],
                 weights_out=outgoing, reports=[Role.actor])
         return [wired[name] for name in LOOP_ORDER if name in wired]
+
+    def _actor_takes_in_memory(self) -> bool:
+        """Whether a step's rows go from the rollout, through the scorer and estimator riding on it,
+        to the actor in the same process without touching the bus (colocate's case). Only when
+        nothing else reads them (no reference, proximal-policy or critic role). Nothing is lost: a
+        worker that hosts the actor is never restarted in place (validation refuses ``restart`` for
+        the actor), a failure resumes the run from its checkpoint with an empty bus."""
+        spec, roles = self.spec, self.roles
+        if not {Role.rollout, Role.reward, Role.advantage, Role.actor} <= roles:
+            return False
+        return all(getattr(spec.roles, r) is None for r in (Role.reference, Role.actor_fwd, Role.critic))
 
     def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"

@@ -51,6 +51,15 @@ class UnitInfo:
 
 
 @dataclass(frozen=True)
+class UnitDone:
+    """``RunState.complete``'s answer: whether the unit counts (False: its lease was revoked), and
+    the step's unit stats once this unit completed the step (None while units are missing)."""
+
+    accepted: bool
+    step_stats: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
 class SampleCounters:
     """Samples of the run so far: generated and acknowledged, generated again after a failure,
     dropped as orphans; produced per replica."""

@@ -117,10 +117,12 @@ class RoleEnv:
         """The newest published policy once it is at least ``min_version``."""
         return self.wait_for(lambda t: self.state.wait_version.remote(min_version, t), f"wait_version({min_version},)")
 
-    def wait_ready(self, partition: str, column: str) -> None:
-        """Until ``column`` is announced for every row of ``partition``."""
-        self.wait_for(lambda t: self.state.wait_ready.remote(partition, column, t),
-                      f"wait_ready{(partition, str(column))}")
+    def wait_ready(self, step: int, columns: tuple[Column, ...]) -> UnitInfo:
+        """Until every column of ``columns`` is announced for every row of the step; then how the
+        step's rows were made (``RunState.wait_ready``: one call for both)."""
+        fields = [str(c) for c in columns]
+        return self.wait_for(lambda t: self.state.wait_ready.remote(step, fields, t),
+                             f"wait_ready{(partition_of(step), *fields)}")
 
     def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: Column | tuple[Column, ...], fields: tuple[Column, ...],
                  task: str, work: Any) -> dict[str, Any]:
@@ -139,9 +141,7 @@ class RoleEnv:
         exactly the rows of the acknowledged rollout attempts (orphans of a failed replica are
         skipped and counted as dropped), in sample order, token columns in one layout."""
         partition = partition_of(step)
-        for name in (after,) if isinstance(after, str) else after:
-            self.wait_ready(partition, name)
-        info: UnitInfo = self.call(self.state.unit_info.remote(step))
+        info = self.wait_ready(step, (after,) if isinstance(after, str) else tuple(after))
         mixed = info.units > 1
         with self.activity.busy(f"{task} reads step {step}"):
             if not info.retried:

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from relax.runtime.ledger import RolloutLedger
-from relax.runtime.records import Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, UnitInfo
+from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, UnitDone,
+                                   UnitInfo)
 
 
 def partition_of(step: int) -> str:
@@ -82,8 +83,12 @@ class RunState:
         self._ready.add((partition, field))
         await self._notify()
 
-    async def wait_ready(self, partition: str, field: str, timeout_s: float) -> bool:
-        return await self._wait(lambda: (partition, field) in self._ready, timeout_s)
+    async def wait_ready(self, step: int, fields: list[str], timeout_s: float) -> UnitInfo | None:
+        """Once every field of ``fields`` is announced for ``step``'s partition: what a reader of
+        the step needs (``unit_info``); None on timeout or stop."""
+        partition = partition_of(step)
+        ok = await self._wait(lambda: all((partition, f) in self._ready for f in fields), timeout_s)
+        return self._unit_info(step) if ok else None
 
     async def forget(self, partition: str, step: int | None = None) -> None:
         """Drop a finished partition's signals (and its step's rollout units)."""
@@ -120,14 +125,17 @@ class RunState:
         return None
 
     async def complete(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
-                       columns: list[str]) -> bool:
+                       columns: list[str]) -> UnitDone:
         """Acknowledge a unit; when it completes its step, ``columns`` are announced for the step's
-        partition. False when the lease was revoked (the rows just put are orphans)."""
+        partition and the answer carries the step's unit stats (the caller needs no further call
+        to learn the step is done). ``accepted`` is False when the lease was revoked (the rows just
+        put are orphans)."""
         accepted = self._ledger.complete(holder, step, unit, attempt, stats)
-        if accepted and self._ledger.step_done(step):
+        done = self._ledger.step_done(step)
+        if accepted and done:
             self._ready.update((partition_of(step), column) for column in columns)
         await self._notify()
-        return accepted
+        return UnitDone(accepted=accepted, step_stats=self._ledger.step_stats(step) if done else None)
 
     async def release(self, holder: str) -> int:
         """A replica failed or left: its leased units go back to pending. Returns their samples."""
@@ -142,7 +150,7 @@ class RunState:
         self._draining.add(holder)
         await self._notify()
 
-    async def unit_info(self, step: int) -> UnitInfo:
+    def _unit_info(self, step: int) -> UnitInfo:
         """What a reader of a step needs: how many units, which attempt of each counts, and
         whether any unit was retried (then orphan rows may be on the bus)."""
         ledger = self._ledger

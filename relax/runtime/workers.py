@@ -138,6 +138,8 @@ class RoleWorker:
         if rollout is not None and rollout_wiring.hands_to == Role.reward:
             rollout.scorer = reward
             rollout.estimator = advantage if loops[Role.reward].hands_to == Role.advantage else None
+            if rollout.estimator is not None and loops[Role.advantage].hands_to == Role.actor:
+                rollout.learner = actor
         elif reward is not None and loops[Role.reward].hands_to == Role.advantage:
             reward.handoff = advantage
         by_task = {Role.rollout: rollout, Role.reward: reward, Role.reference: reference, CRITIC_VALUES: critic_values,

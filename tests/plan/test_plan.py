@@ -289,3 +289,27 @@ def test_the_weight_sync_edge_follows_roles_rollout_weight_sync() -> None:
     assert [(e.source, e.target, e.mechanism) for e in tiny.weight_sync] == [("actor", "rollout", "gloo-broadcast")]
     _, hybrid = plan_of("qwen3-4b-grpo-hybrid", "roles.rollout.weight_sync=object_store")
     assert hybrid.weight_sync[0].mechanism == "object-store"
+
+
+def _loops(plan) -> dict[str, object]:
+    return {loop.task: loop for worker in plan.workers for loop in worker.roles}
+
+
+def test_colocate_hands_a_steps_rows_to_the_actor_in_memory() -> None:
+    _, plan = plan_of("tiny-cpu", "placement.mode=colocate", "async_policy.max_staleness=0")
+    loops = _loops(plan)
+    assert loops["advantage"].hands_to == "actor"
+    assert loops["actor"].takes_from == "advantage" and loops["actor"].waits_for == []
+    assert "to actor in memory" in render(plan, "table")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("placement.mode=separate",),  # the actor is in another process
+    ("placement.mode=colocate", "async_policy.max_staleness=0", "roles.reference.backend=torch",
+     "algorithm.kl_coef=0.01"),  # the reference reads the rows from the bus
+])
+def test_rows_go_through_the_bus_when_another_process_or_role_reads_them(overrides: tuple[str, ...]) -> None:
+    _, plan = plan_of("tiny-cpu", *overrides)
+    loops = _loops(plan)
+    assert loops["advantage"].hands_to is None
+    assert loops["actor"].takes_from is None and "advantages" in loops["actor"].waits_for

@@ -14,7 +14,9 @@ from relax.algo.batch import TrainBatch
 from relax.plan.model import RoleWiring
 from relax.roles import Role
 from relax.runtime.checkpoint import save_checkpoint
-from relax.runtime.role_env import RoleEnv, StalenessViolation
+from relax.bus import BusBatch, RowMeta
+from relax.runtime.role_env import RoleEnv, StalenessViolation, sample_key
+from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import WeightChannel
 from relax.telemetry import CHECKPOINT, TRAIN_STEP, WEIGHT_SYNC
 
@@ -32,15 +34,33 @@ class ActorLoop:
         # tokens, log-probs and media references are read with them.
         self.after = tuple(wiring.waits_for)
         self.fields = tuple(wiring.reads)
+        self.in_memory = wiring.takes_from is not None
+        """The rows come from the rollout in this process (``hand``), not from the bus."""
+        self.handed: dict[int, BusBatch] = {}
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
         self.version = start_step
         self.weights.publish(start_step, self.trainer.weights())
 
+    def hand(self, step: int, columns: dict[str, Any], meta: list[dict[str, Any]]) -> None:
+        """A step's rows from the rollout (scored, with advantages) in this process: kept for
+        ``step`` as the bus would have given them (the columns it reads, rows in sample order)."""
+        rows = [RowMeta.coerce(m) for m in meta]
+        batch = BusBatch(partition=partition_of(step), task=Role.actor, handle=None, meta=rows,
+                         fields={name: columns[name] for name in self.fields})
+        order = sorted(range(len(rows)), key=lambda i: sample_key(rows[i]))
+        self.handed[step] = batch.select(order) if order != list(range(len(rows))) else batch
+
     def step(self, step: int) -> dict[str, Any]:
         settings, env = self.env.settings, self.env
         t0 = time.perf_counter()
-        batch = env.take(step, self.after, self.fields, Role.actor)
+        if self.in_memory:
+            if step not in self.handed:
+                raise RuntimeError(f"step {step}: the rollout in this worker handed over no rows (the plan hands "
+                                   "them in memory); a worker restarted in place cannot train this way")
+            batch = self.handed.pop(step)
+        else:
+            batch = env.take(step, self.after, self.fields, Role.actor)
         t1 = time.perf_counter()
         versions = [m.policy_version for m in batch.meta]
         lags = [step - v for v in versions]

@@ -24,6 +24,7 @@ from relax.contracts import PluginKind, RolloutContext
 from relax.plan.model import RoleWiring
 from relax.runtime.components import build_planned, build_plugin, planned_context, role_device
 from relax.runtime.data import PromptSchedule, prompt_rows, sampling_seed
+from relax.runtime.records import UnitDone
 from relax.runtime.role_env import RoleEnv
 from relax.runtime.rows import rollout_columns
 from relax.runtime.run_state import partition_of
@@ -31,6 +32,7 @@ from relax.runtime.weight_channels import WeightChannel, WeightPull
 from relax.telemetry import ROLLOUT_BATCH, WEIGHT_SYNC
 
 if TYPE_CHECKING:
+    from relax.runtime.roles.actor import ActorLoop
     from relax.runtime.roles.advantage import AdvantageLoop
     from relax.runtime.roles.reward import RewardLoop
 
@@ -58,6 +60,9 @@ class RolloutLoop:
         """The reward loop riding in this worker (``roles.reward.host: rollout``), if any."""
         self.estimator: AdvantageLoop | None = None
         """The advantage loop riding in this worker, if any."""
+        self.learner: ActorLoop | None = None
+        """The actor loop in this worker that takes each step's rows in memory (colocate: the plan's
+        ``advantage.hands_to``); the rows then never touch the bus."""
         self.ragged = env.work.ragged
         """Several units per step: token columns go ragged (their dense layouts would differ)."""
 
@@ -72,21 +77,23 @@ class RolloutLoop:
         units until every one is acknowledged (other replicas may generate some of them), then
         report the step from the units' own stats."""
         while (got := self.env.lease(step)).unit is not None:
-            self.produce(got.unit)
-        units = self.env.call(self.env.state.step_stats.remote(step))
-        return merge_unit_stats(units)
+            done = self.produce(got.unit)
+            if done.step_stats is not None:  # this unit completed the step
+                return merge_unit_stats(done.step_stats)
+        return merge_unit_stats(self.env.call(self.env.state.step_stats.remote(step)))
 
     def serve(self) -> int:
         """An extra replica: generate any admissible unit until every step is produced or the
         replica is drained. Returns the units it produced."""
         produced = 0
         while (got := self.env.lease(None)).unit is not None:
-            produced += self.produce(got.unit)
+            produced += self.produce(got.unit).accepted
         return produced
 
-    def produce(self, unit: dict[str, Any]) -> bool:
-        """Generate one leased unit, put its rows and acknowledge it; False when the lease was
-        revoked meanwhile (the rows just put are orphans that readers skip)."""
+    def produce(self, unit: dict[str, Any]) -> UnitDone:
+        """Generate one leased unit, put its rows and acknowledge it: whether it counts (not when
+        the lease was revoked meanwhile: the rows just put are orphans that readers skip), and the
+        step's unit stats when it completed its step."""
         settings, env = self.env.settings, self.env
         step = unit["step"]
         t0 = time.perf_counter()
@@ -129,7 +136,10 @@ class RolloutLoop:
                     columns.update(produced)
                     ready += list(produced)
         t3 = time.perf_counter()
-        env.bus.put(partition_of(step), columns, batch.meta)
+        if self.learner is not None:
+            self.learner.hand(step, columns, batch.meta)
+        else:
+            env.bus.put(partition_of(step), columns, batch.meta)
         skipped = {}
         if self.media is not None:  # rows replaced for bad media (data.on_bad_sample: skip)
             skipped, self.media.skipped = {"skipped_samples": self.media.skipped}, 0
@@ -137,7 +147,7 @@ class RolloutLoop:
                  "bus_s": time.perf_counter() - t3, "response_tokens": batch.tokens, "policy_version": held,
                  "order": batch.order, "holder": env.holder, **sampling, **skipped}
         # The acknowledgement announces the step's columns once its last unit is in.
-        return bool(env.call(env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready)))
+        return env.call(env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready))
 
     def _sample(self, step: int, round_: int, indices: list[int], carrier: dict[str, str],
                 unit: dict[str, Any]) -> SampledBatch:
