@@ -270,10 +270,15 @@ def run_relax(work: Work, mode: str, steps: int, skip: int, index: int) -> RunRe
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if len(rows) != steps:
         raise SystemExit(f"relax run ({mode}) wrote {len(rows)} metrics rows for {steps} steps; see {log}")
-    startup = next((line.strip() for line in log.read_text().splitlines() if line.strip().startswith("start-up:")),
-                   "")
     # Relax's clock starts at the process's creation (psutil), a hair after the spawn here.
-    first_step = float(json.loads((out_dir / "startup.json").read_text())["total_s"])
+    record = json.loads((out_dir / "startup.json").read_text())
+    first_step = float(record["total_s"])
+    # The line `relax run` prints ("relax run: start-up: X s to the first step (phases)"); its phases
+    # from startup.json should the wording change.
+    startup = next((line[line.index("start-up:"):].strip() for line in log.read_text().splitlines()
+                    if "start-up:" in line),
+                   f"start-up: {first_step:.1f} s ("
+                   + ", ".join(f"{k} {v:.1f}" for k, v in record.get("phases_s", {}).items()) + ")")
     return RunResult(
         s_per_step=steady_s_per_step({int(r["step"]): float(r["time/step_s"]) for r in rows}, skip),
         whole_s=whole,
@@ -394,7 +399,7 @@ def main() -> None:
     print(table(reference, [*trl_sides.values(), *relax_sides.values()]))
     for side in relax_sides.values():
         for index, result in enumerate(side.runs):
-            print(f"{side.name} run {index}: {result.startup or 'start-up: (no line printed)'}")
+            print(f"{side.name} run {index}: {result.startup}")
 
 
 if __name__ == "__main__":
