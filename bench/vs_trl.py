@@ -370,6 +370,7 @@ def main() -> None:
         parser.error("--runs must be at least 1")
 
     python = ensure_trl_venv((args.venv or default_venv()).expanduser().resolve())
+    load_before = os.getloadavg()[0]
     trl_sides = {config: Side(f"TRL {TRL_VERSION} ({TRL_CONFIGS[config]})") for config in args.trl}
     relax_sides = {mode: Side(f"Relax {mode}" + (" (max_staleness 1)" if mode == "separate" else ""))
                    for mode in args.modes}
@@ -397,6 +398,9 @@ def main() -> None:
           f"lr {LEARNING_RATE:g}, {args.steps} steps; steady s/step leaves out the first {args.skip} steps; "
           f"median (min-max) of {args.runs} run(s) each; ratios against {reference.name}")
     print(table(reference, [*trl_sides.values(), *relax_sides.values()]))
+    # Both sides share the machine with whatever else runs: a load above the CPU count skews them.
+    print(f"machine: {os.cpu_count()} CPUs, 1-minute load average {load_before:.1f} before the runs, "
+          f"{os.getloadavg()[0]:.1f} after")
     for side in relax_sides.values():
         for index, result in enumerate(side.runs):
             print(f"{side.name} run {index}: {result.startup}")
