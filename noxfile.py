@@ -24,6 +24,14 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def vs_trl(session: nox.Session) -> None:
+    """Relax against TRL's GRPOTrainer on the same work (a few minutes; not a default lane). The
+    script installs TRL into its own cached virtualenv, so nothing lands in this environment;
+    arguments after ``--`` go to the script (``nox -s vs_trl -- --runs 1``)."""
+    session.run("python", "bench/vs_trl.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
     """The fault-tolerance lane (about 10 minutes): live runs whose workers or ranks are killed,
     frozen, scaled (also with collective weight sync) and whose node is lost, in the default
