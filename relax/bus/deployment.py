@@ -51,6 +51,11 @@ _CONTROLLER_CPUS = 1
 _STORAGE_UNIT_CPUS = 1
 
 
+def logical_cpus(num_storage_units: int) -> int:
+    """The logical CPUs a deployment with ``num_storage_units`` takes from Ray (its actors' asks)."""
+    return _CONTROLLER_CPUS + _STORAGE_UNIT_CPUS * num_storage_units
+
+
 def _require_ray() -> None:
     if not ray.is_initialized():
         raise BusError(
@@ -86,7 +91,7 @@ def start_deployment(num_storage_units: int, storage_capacity: int | None,
                                              for n in ray.nodes()):
         raise BusError(f"no alive Ray node has the custom resource {node_resource!r} (cluster.bus_node_resource); "
                        f"start a node with --resources '{{\"{node_resource}\": 1}}' or unset it")
-    need = _CONTROLLER_CPUS + _STORAGE_UNIT_CPUS * num_storage_units
+    need = logical_cpus(num_storage_units)
     free = ray.available_resources().get("CPU", 0.0)
     if free < need:
         raise BusError(
