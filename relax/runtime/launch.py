@@ -23,7 +23,8 @@ QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFOR
 #: What the driver needs once Ray runs (torch, TransferQueue, telemetry, the controller): imported
 #: in a background thread while Ray starts, since ``ray.init`` mostly waits for its own processes.
 RUNTIME_MODULES = ("relax.bus", "relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
-                   "relax.runtime.controller")
+                   "relax.runtime.controller", "relax.runtime.run_state", "relax.runtime.ledger",
+                   "relax.runtime.workers")
 #: ``module.function`` that every Ray worker process of the run calls before anything else (Ray's
 #: ``worker_process_setup_hook``): for process-wide settings a backend needs on an unusual machine,
 #: such as a test harness's CPU stand-ins for CUDA calls. Plugins never rely on it.
