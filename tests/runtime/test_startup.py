@@ -117,3 +117,17 @@ def test_the_bus_starts_beside_the_workers_only_where_both_fit_on_one_node() -> 
     assert not bus_fits_beside(nodes=1, free_cpus=3, reserved_cpus=2, bus_cpus=2)
     # several nodes: the bus's actors could take a pinned bundle's CPUs
     assert not bus_fits_beside(nodes=2, free_cpus=64, reserved_cpus=2, bus_cpus=2)
+
+
+def test_a_bus_that_cannot_start_fails_the_run_at_once_with_its_reason(tmp_path, capsys) -> None:
+    from relax import testing
+
+    timeout_s = 600  # the workers would wait this long in Bus.attach for a bus that never comes
+    with testing.local_ray():
+        started = time.monotonic()
+        code, rows, printed = testing.tiny_run(tmp_path, "nobus", "cluster.bus_node_resource=nowhere",
+                                               f"fault_tolerance.wait_timeout_s={timeout_s}")
+        took = time.monotonic() - started
+    assert code == 1 and rows == [] and "start-up:" not in printed
+    assert "no alive Ray node has the custom resource 'nowhere'" in capsys.readouterr().err
+    assert took < timeout_s / 2  # it did not wait for the workers' attach timeout
