@@ -117,7 +117,7 @@ def _init_ray(spec: RunSpec) -> bool:
 def _runtime_env(hook: str | None) -> dict[str, Any]:
     """The run's ``runtime_env`` where Ray's processes do not inherit this environment (a cluster
     joined by address) or must run a worker setup hook."""
-    runtime_env: dict[str, Any] = {"env_vars": {**QUIET_ENV, "TQ_NUM_THREADS": os.environ["TQ_NUM_THREADS"]}}
+    runtime_env: dict[str, Any] = {"env_vars": dict(QUIET_ENV)}
     if hook:
         runtime_env["worker_process_setup_hook"] = hook
         runtime_env["env_vars"][WORKER_SETUP_ENV] = hook
