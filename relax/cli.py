@@ -8,6 +8,7 @@ import neither torch nor ray; ``run`` imports the runtime only after the spec is
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -229,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        if argv is None:  # the command line itself: the process exits next
+            # The interpreter's last garbage collections walk every object that torch, Ray and the
+            # libraries made, seconds after a run has written everything; frozen objects are skipped.
+            gc.freeze()
+        return code
     except SpecError as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_INVALID

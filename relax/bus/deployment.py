@@ -53,6 +53,11 @@ CONTROLLER_NAMESPACE = "transfer_queue"
 _CONTROLLER_CPUS = 1
 
 
+def logical_cpus() -> int:
+    """The logical CPUs the deployment takes from Ray (its actors' asks)."""
+    return _CONTROLLER_CPUS
+
+
 def _require_ray() -> None:
     if not ray.is_initialized():
         raise BusError(
@@ -86,7 +91,7 @@ def start_deployment(node_resource: str | None = None) -> TransferQueueClient:
         raise BusError(f"no alive Ray node has the custom resource {node_resource!r} (cluster.bus_node_resource); "
                        f"start a node with --resources '{{\"{node_resource}\": 1}}' or unset it")
     free = ray.available_resources().get("CPU", 0.0)
-    if free < _CONTROLLER_CPUS:
+    if free < logical_cpus():
         raise BusError(
             f"TransferQueue's controller needs {_CONTROLLER_CPUS} free logical CPU in Ray, but only {free:g} "
             "are free; start Ray with more, e.g. ray.init(num_cpus=8)"

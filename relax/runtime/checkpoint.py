@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
 
@@ -33,6 +31,8 @@ def save_checkpoint(output_dir: Path, step: int, trainer: Any, keep: int) -> Pat
     final = root / f"step-{step}"
     staging = Path(tempfile.mkdtemp(prefix=f".step-{step}.", dir=root))
     try:
+        import torch  # here, not at import: ``relax run`` reads checkpoints before it imports torch
+
         trainer.save(str(staging / "trainer"))
         meta = {"step": step, "time": time.time(), "torch_rng": torch.get_rng_state().tolist()}
         (staging / META).write_text(json.dumps(meta))
@@ -86,5 +86,7 @@ def last_metrics_step(output_dir: Path) -> int | None:
 
 
 def restore_rng(path: Path) -> None:
+    import torch
+
     meta = json.loads((path / META).read_text())
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))

@@ -42,7 +42,9 @@ class ControlServer:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.file = output_dir / CONTROL_FILE
-        self._thread = threading.Thread(target=self.server.serve_forever, name="relax-control", daemon=True)
+        # close() waits for the server's next poll: a short one keeps the end of a run prompt.
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="relax-control", daemon=True)
         self._thread.start()
         output_dir.mkdir(parents=True, exist_ok=True)
         self.file.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))

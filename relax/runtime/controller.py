@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax.plan.model import Plan
 from relax.roles import Role
@@ -35,9 +35,23 @@ from relax.runtime.elastic import Elastic, ScaleRequest
 from relax.runtime.metrics import MetricsLog, Progress, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
-from relax.runtime.startup import StartupClock
+from relax.runtime.startup import InBackground, StartupClock
 from relax.runtime.supervision import SUPERVISE_S, ResumeRun, Supervision
 from relax.spec.models import RunSpec
+
+if TYPE_CHECKING:
+    from relax.bus import Bus
+    from relax.runtime.placement import Placement
+
+#: While the workers come up beside the bus, how often the driver checks that the bus started.
+BUS_CHECK_S = 0.5
+
+
+def bus_fits_beside(*, nodes: int, free_cpus: float, reserved_cpus: float, bus_cpus: float) -> bool:
+    """Whether the bus may start beside the placement groups and the workers: its actors and the
+    plan's bundles fit in Ray's free logical CPUs together. Only on a one-node Ray: on several nodes
+    the bus's actors could take CPUs that a bundle pinned to their node needs."""
+    return nodes == 1 and free_cpus >= reserved_cpus + bus_cpus
 
 
 class Controller(Deployment, Supervision, Elastic):
@@ -78,16 +92,15 @@ class Controller(Deployment, Supervision, Elastic):
         self.spec_hash = spec_hash
         self.telemetry = Telemetry.from_spec(settings, self.output_dir, role="controller", spec_hash=spec_hash)
         self.step_metrics = StepMetricsExporter.from_spec(settings, spec_hash=spec_hash)
-        from relax.bus import Bus
-
-        # The bus first: its actors take logical CPUs that the placement groups would reserve.
-        self.bus = Bus.start(node_resource=settings.bus_node_resource)
-        self.startup.mark("bus")
-        self.placement = create_placement(self.plan)
-        self.startup.mark("placement")
-        control = ControlServer(self.output_dir, self.status, self.request_scale)
+        self._bus_start = self._start_bus()
+        self.placement: Placement | None = None
+        control = None
         start, resume_from = self.start_step, self.resume_from
         try:
+            placing = time.time()
+            self.placement = create_placement(self.plan)
+            self.startup.part("placement", placing)
+            control = ControlServer(self.output_dir, self.status, self.request_scale)
             with self.telemetry.run_span(steps=settings.steps, start_step=start, mode=self.plan.mode) as run:
                 self.carrier = run.carrier()
                 while True:
@@ -99,6 +112,8 @@ class Controller(Deployment, Supervision, Elastic):
                         found = resume_checkpoint(self.output_dir)
                         start, resume_from = found if found is not None else (0, None)
                         self.metrics = MetricsLog(self.output_dir, start)
+                        for partition in self.bus.partitions():  # the next attempt starts from an empty bus
+                            self.bus.clear(partition)
                         print(f"relax run: {exc.reason}; resuming from step {start}", flush=True)
         finally:
             late = list(self._joins)
@@ -106,11 +121,52 @@ class Controller(Deployment, Supervision, Elastic):
                 late.append(self.scale_requests.get())
             for item in late:
                 self._answer(item, {"error": "the run ended before the change could be applied"})
-            control.close()
-            self.placement.remove()
-            self.bus.close()
+            if control is not None:
+                control.close()
+            if self.placement is not None:
+                self.placement.remove()
+            self._close_bus()
             self.telemetry.shutdown()
             self.step_metrics.shutdown()
+
+    # -- the bus ------------------------------------------------------------------------------------
+
+    def _start_bus(self) -> InBackground[Bus]:
+        """Start the bus in a background thread. It runs beside the placement groups and the workers
+        (which wait for it in ``Bus.attach``) when Ray has the logical CPUs for both; otherwise it
+        starts first, as its actors take logical CPUs the placement groups would reserve, and it
+        refuses clearly when too few are free."""
+        from relax.bus import Bus
+
+        beside = self._bus_fits_beside()
+        starting = InBackground(lambda: Bus.start(node_resource=self.settings.bus_node_resource),
+                                name="bus-start", clock=self.startup, part="bus")
+        if not beside:
+            starting.result()
+        return starting
+
+    def _bus_fits_beside(self) -> bool:
+        import ray
+
+        from relax.bus.deployment import logical_cpus
+
+        return bus_fits_beside(nodes=sum(1 for n in ray.nodes() if n.get("Alive")),
+                               free_cpus=ray.available_resources().get("CPU", 0.0),
+                               reserved_cpus=sum(b.cpus for pool in self.plan.pools for b in pool.bundles),
+                               bus_cpus=logical_cpus())
+
+    @property
+    def bus(self) -> Bus:
+        """The run's bus (waits until it has started; raises why it could not)."""
+        return self._bus_start.result()
+
+    def _close_bus(self) -> None:
+        """Stop the bus once its start has ended (a start that failed left nothing to stop)."""
+        try:
+            bus = self._bus_start.result()
+        except Exception:  # already reported by whoever needed the bus
+            return
+        bus.close()
 
     def _attempt(self, start: int, resume_from: Path | None) -> None:
         """Run from ``start`` (a checkpoint's step) to the end, recovering in-place failures."""
@@ -123,8 +179,6 @@ class Controller(Deployment, Supervision, Elastic):
         settings = self.settings
         ledger = RolloutLedger(settings.steps, settings.prompts_per_step, settings.samples_per_prompt,
                                self.plan.rollout_work.unit_prompts, start_step=start)
-        for partition in self.bus.partitions():  # a resumed attempt starts from an empty bus
-            self.bus.clear(partition)
         # The control plane lives beside the driver: losing any other node must not take it along.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(ledger)
@@ -133,15 +187,17 @@ class Controller(Deployment, Supervision, Elastic):
         self._slots = [Slot(worker, self.placement.actor_options(worker.instance)) for worker in self.plan.workers]
         self._next_replica = max((s.replica for s in self._slots), default=0) + 1
         try:
+            launching = time.time()
             alive = alive_nodes()
             for slot in self._slots:
                 if self.placement.node_of(slot.instance) not in alive:  # a node lost before a resume
                     self._move(slot, self.faults.restart_timeout_s)
                 self._launch(slot)
-            for slot in self._slots:
-                self._ready(slot, self.faults.wait_timeout_s)
+            self._all_ready(self._slots, self.faults.wait_timeout_s)
+            self.startup.part("workers", launching)  # built their plugins, loaded the model, published the first weights
+            self._bus_start.result()  # up, as the workers attached to it (re-raises a start that failed)
             self._record_workers()
-            self.startup.mark("workers")  # built their plugins, loaded the model, published the first weights
+            self.startup.mark("launch")
             for slot in self._slots:
                 self._begin(slot, resumed=None)
             self._watch(start)
@@ -149,6 +205,25 @@ class Controller(Deployment, Supervision, Elastic):
         finally:
             self._teardown()
 
+    def _all_ready(self, slots: list[Slot], timeout_s: float) -> None:
+        """Wait until every worker has built its loops, each as soon as it is ready. A bus that
+        failed to start (while the workers came up beside it) is raised at once: the workers would
+        only wait for it in ``Bus.attach`` and then fail for the same reason."""
+        import ray
+
+        pending = {slot.worker.ready.remote(): slot for slot in slots}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if (failed := self._bus_start.failed) is not None:
+                raise failed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = ", ".join(slot.holder for slot in pending.values())
+                raise ray.exceptions.GetTimeoutError(f"workers {waiting} were not ready after {timeout_s:g} s "
+                                                     "(fault_tolerance.wait_timeout_s)")
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, BUS_CHECK_S))
+            for ref in done:
+                pending.pop(ref).started(ray.get(ref))
 
     # -- watching -------------------------------------------------------------------------------
 
@@ -176,7 +251,7 @@ class Controller(Deployment, Supervision, Elastic):
             row.update(self._fault_metrics(reports))
             last_end = end
             self.metrics.append(row)
-            self.startup.mark("first_step")
+            self.startup.step_finished()
             self.progress.update(row)
             self.telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
                                        staleness=row["staleness/max"], tokens=reports[Role.rollout]["response_tokens"])

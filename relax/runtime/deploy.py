@@ -74,7 +74,9 @@ class Deployment:
             ray.get(self.state.stop.remote(), timeout=5)
         except Exception:  # the control plane itself failed
             pass
-        live = [slot.worker for slot in self._slots if slot.worker is not None]
+        # Only a worker that was ready has a close() to run: one still in its constructor (the run
+        # failed while the workers came up) would answer after it, so it is only killed.
+        live = [slot.worker for slot in self._slots if slot.worker is not None and slot.ready_at]
         ray.wait([w.close.remote() for w in live], num_returns=len(live), timeout=10)  # a frozen one never answers
         for slot in self._slots:
             self._drop_worker(slot)

@@ -20,6 +20,11 @@ EMBEDDED_RAY_CPUS = 8
 #: Environment of every Ray process of a run: no progress bars or advisory logs from the libraries.
 QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+#: What the driver needs once Ray runs (torch, TransferQueue, telemetry, the controller): imported
+#: in a background thread while Ray starts, since ``ray.init`` mostly waits for its own processes.
+RUNTIME_MODULES = ("relax.bus", "relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
+                   "relax.runtime.controller", "relax.runtime.run_state", "relax.runtime.ledger",
+                   "relax.runtime.workers")
 #: ``module.function`` that every Ray worker process of the run calls before anything else (Ray's
 #: ``worker_process_setup_hook``): for process-wide settings a backend needs on an unusual machine,
 #: such as a test harness's CPU stand-ins for CUDA calls. Plugins never rely on it.
@@ -70,24 +75,68 @@ def keep_previous_run(output_dir: Path) -> Path | None:
     return kept
 
 
+def import_runtime() -> None:
+    """Import ``RUNTIME_MODULES`` (run in a background thread while Ray starts)."""
+    import importlib
+
+    for name in RUNTIME_MODULES:
+        importlib.import_module(name)
+
+
+def bus_environment() -> None:
+    """TransferQueue reads ``TQ_NUM_THREADS`` once, at import, and warns on every put and get when it
+    exceeds the physical cores; its actors see it only if it is set before ``ray.init`` starts the
+    raylet. ``relax.bus.deployment`` sets the same default when it is imported, which now happens
+    while Ray starts, so the driver sets it first."""
+    import psutil
+
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
+
+
 def _init_ray(spec: RunSpec) -> bool:
     """Start an embedded Ray (returns True) or join ``cluster.address`` (False)."""
     import ray
 
     os.environ.update(QUIET_ENV)
+    bus_environment()
     if ray.is_initialized():
         return False
+    hook = os.environ.get(WORKER_SETUP_ENV)
+    if spec.cluster.address is None:
+        # address="local" always starts a new Ray, even when another one runs on this machine. Its
+        # processes inherit this environment, so the run needs no runtime_env of its own, and without
+        # one Ray hands the actors the worker processes it prestarts (each saves a Python start and
+        # `import ray`); a worker setup hook does need one.
+        ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
+                 logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None)
+        return True
+    ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=_runtime_env(hook))
+    return False
+
+
+def _runtime_env(hook: str | None) -> dict[str, Any]:
+    """The run's ``runtime_env`` where Ray's processes do not inherit this environment (a cluster
+    joined by address) or must run a worker setup hook."""
     runtime_env: dict[str, Any] = {"env_vars": dict(QUIET_ENV)}
-    if hook := os.environ.get(WORKER_SETUP_ENV):
+    if hook:
         runtime_env["worker_process_setup_hook"] = hook
         runtime_env["env_vars"][WORKER_SETUP_ENV] = hook
-    if spec.cluster.address is None:
-        # address="local" always starts a new Ray, even when another one runs on this machine.
-        ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
-                 logging_level="ERROR", runtime_env=runtime_env)
-        return True
-    ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=runtime_env)
-    return False
+    return runtime_env
+
+
+def stop_embedded_ray() -> None:
+    """``ray.shutdown()`` of the Ray this run started, a second sooner: Ray asks its autoscaler
+    monitor to exit, which it does not do on SIGTERM, and waits a full second before it kills it.
+    That monitor has nothing to save on a one-machine Ray, so it is killed first."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # Ray's own handle on the processes it started
+    try:
+        if node is not None and node.is_head():
+            node.kill_monitor(check_alive=False)
+    except Exception:  # noqa: BLE001  (a Ray internal; should it change, the shutdown only takes longer)
+        pass
+    ray.shutdown()
 
 
 def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
@@ -105,7 +154,7 @@ def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
 
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
     """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
-    from relax.runtime.startup import StartupClock, process_started_at
+    from relax.runtime.startup import InBackground, StartupClock, process_started_at
 
     clock = StartupClock(process_started_at())
     clock.mark("imports")  # the command line until here: imports, validation, the plan
@@ -129,29 +178,31 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
 
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
     clock.mark("model")
-    import ray
-
+    # Ray mostly waits for the processes it starts: the driver imports the runtime meanwhile.
+    imports = InBackground(import_runtime, name="runtime-imports", clock=clock, part="runtime_imports")
     embedded = _init_ray(spec)
-    clock.mark("ray")
+    code = EXIT_RUN_FAILED
     try:
+        imports.result()
+        clock.mark("ray")
         from relax.runtime.controller import Controller
 
         controller = Controller(spec, plan, base_dir, output_dir, model_path, start_step, resume_from, stream,
                                 startup=clock)
         code = controller.run()
-        print(f"relax run: {clock.line()}", file=stream or sys.stdout, flush=True)
-        clock.write(output_dir)
-        return code
     except KeyboardInterrupt:
         print("relax run: interrupted; the last checkpoint is kept for --resume", file=sys.stderr)
-        return EXIT_RUN_FAILED
     except Exception as exc:  # a role failed: report its cause, not the controller's traceback
         cause = getattr(exc, "cause", None) or exc  # a role's exception arrives wrapped by Ray
         lines = str(cause).strip().splitlines() or [repr(cause)]
         print(f"relax run: the run failed: {lines[0]}", file=sys.stderr)
         if os.environ.get("RELAX_DEBUG"):
             print(str(exc), file=sys.stderr)
-        return EXIT_RUN_FAILED
     finally:
         if embedded:
-            ray.shutdown()
+            stop_embedded_ray()
+    if code == EXIT_OK:  # the shutdown counts until Ray is down: metrics and checkpoints are written by then
+        clock.stopped()
+        print(f"relax run: {clock.line()}", file=stream or sys.stdout, flush=True)
+        clock.write(output_dir)
+    return code

@@ -53,7 +53,8 @@ class RoleEnv:
     work: RolloutWork
     """How each step's rollout is cut into units (``Plan.rollout_work``)."""
     output_dir: Path
-    bus: Bus
+    bus: Bus | None
+    """The bus; ``None`` only while the worker builds its loops (it attaches meanwhile)."""
     state: Any
     """The ``RunState`` actor handle."""
     timeout_s: float

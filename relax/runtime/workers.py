@@ -30,6 +30,7 @@ from relax.runtime.roles.forward import ForwardLoop
 from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
 from relax.runtime.run_state import partition_of
+from relax.runtime.startup import InBackground
 from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
 from relax.plan.model import RolloutWork, RunSettings, WorkerPlan
 from relax.telemetry import Telemetry
@@ -92,7 +93,10 @@ class RoleWorker:
         telemetry = Telemetry.from_spec(settings, output_dir, role="/".join(self.roles), spec_hash=launch.spec_hash,
                                         run_carrier=launch.run_carrier)
         faults = settings.fault_tolerance
-        self.env = RoleEnv(settings=settings, worker=plan, work=launch.work, output_dir=output_dir, bus=Bus.attach(),
+        # The driver may still be starting the bus: attach in the background while the plugins build
+        # (their constructors never touch the bus), and join before the worker says it is ready.
+        attaching = InBackground(lambda: Bus.attach(faults.wait_timeout_s), name="bus-attach")
+        self.env = RoleEnv(settings=settings, worker=plan, work=launch.work, output_dir=output_dir, bus=None,
                            state=state, timeout_s=faults.wait_timeout_s, threads=plan.threads,
                            model_path=launch.model_path, telemetry=telemetry, holder=holder, ranks=launch.ranks)
         # Beats from the start: building a model can take long, and a frozen build is a hang too.
@@ -146,6 +150,7 @@ class RoleWorker:
                    Role.advantage: advantage, Role.actor_fwd: actor_fwd, Role.actor: actor, Role.critic: critic}
         # One step of every hosted loop, in the plan's (data) order.
         self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
+        self.env.bus = attaching.result()
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""

@@ -39,10 +39,16 @@ def test_the_run_writes_the_plan_it_executes_and_starts_exactly_its_workers(loca
     ran = capsys.readouterr().out
     # the start-up before the first step, phase by phase, printed and kept
     startup = json.loads((out / "startup.json").read_text())
-    assert list(startup["phases_s"]) == ["imports", "model", "ray", "bus", "placement", "workers", "first_step"]
+    assert list(startup["phases_s"]) == ["imports", "model", "ray", "launch", "first_step"]
     assert all(v >= 0 for v in startup["phases_s"].values())
     assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()))
-    assert f"start-up: {startup['total_s']:.1f} s to the first step" in ran
+    # what ran inside the phases, at once: the runtime imports beside Ray, the bus beside the workers
+    parts = startup["parts"]
+    assert set(parts) == {"runtime_imports", "bus", "placement", "workers"}
+    assert all(0 <= p["start_s"] <= p["end_s"] <= startup["total_s"] for p in parts.values())
+    assert parts["bus"]["start_s"] < parts["workers"]["end_s"] and parts["workers"]["start_s"] < parts["bus"]["end_s"]
+    assert startup["shutdown_s"] >= 0
+    assert f"start-up: {startup['total_s']:.1f} s to the first step" in ran and "[bus " in ran and " alongside " in ran
     assert main(["plan", "tiny-cpu", *overrides, "--format", "json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     written = json.loads((out / "plan.json").read_text())
