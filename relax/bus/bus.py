@@ -25,7 +25,6 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from transfer_queue import TransferQueueClient
 
 from relax.bus import deployment
 from relax.bus.columns import Column, column_nbytes
@@ -33,6 +32,7 @@ from relax.bus.errors import BusError, BusTimeout
 from relax.bus.keeper import PackedColumn
 from relax.bus.payloads import ObjectStoreManager, pack_columns, pack_objects
 from relax.bus.records import BusBatch, PartitionCounts, RowHandle, RowMeta
+from relax.bus.transferqueue import TransferQueueClient
 
 #: First sleep between two polls of a waiting ``get``; it doubles up to the cap below.
 _FIRST_POLL_S = 0.002

@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import torch
-from tensordict import TensorDict
-from tensordict.tensorclass import NonTensorStack
 
 from relax.bus.errors import BusError
+from relax.bus.transferqueue import NonTensorStack, TensorDict
 
 #: One column of a batch, as a role writes it and reads it back.
 Column: TypeAlias = torch.Tensor | list[torch.Tensor] | list[Any]

@@ -32,19 +32,12 @@ import time
 import uuid
 from typing import Any
 
-import psutil
 import ray
 
 from relax.bus import payloads
 from relax.bus.errors import BusError
-
-# TransferQueue reads this once, at import, and warns on every put/get when it exceeds the
-# physical cores (8 by default; our dev machines have 2). Set it before importing the package.
-# Storage actors inherit it only if it was set before ``ray.init`` started the raylet.
-os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
-
-import transfer_queue as tq  # noqa: E402  (must follow the environment default above)
-from transfer_queue import TransferQueueClient  # noqa: E402
+from relax.bus.transferqueue import TransferQueueClient
+from relax.bus.transferqueue import transfer_queue as tq
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"

@@ -30,15 +30,12 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from tensordict import TensorDict
-from tensordict.tensorclass import NonTensorStack
-from transfer_queue.metadata import BatchMeta
-from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
-from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
 from relax.bus.columns import Column, encode_columns
 from relax.bus.errors import BusError
+from relax.bus.transferqueue import NonTensorStack, TensorDict
 from relax.bus.keeper import KEEPER_NAME, PackedColumn, PayloadKeeper
+from relax.bus.transferqueue import BatchMeta, StorageBootstrapProvider, StorageManager, StorageManagerFactory
 
 #: TransferQueue's name of this storage backend (``backend.storage_backend``).
 BACKEND = "RelaxObjectStore"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transfer_queue import BatchMeta
+from relax.bus.transferqueue import BatchMeta
 
 from relax.bus.columns import Column, pad_rows
 from relax.bus.errors import BusError
