@@ -37,6 +37,7 @@ from relax.runtime.components import (
     materialize_model,
 )
 from relax.runtime.data import PromptSchedule
+from relax.runtime.scoring import RewardScorer
 from relax.spec import validate_spec
 from relax.spec.models import RunSpec
 
@@ -74,7 +75,7 @@ class Components:
     dataset: Any
     rollout: Any
     trainer: Any
-    rewards: list[tuple[Any, float]]
+    rewards: RewardScorer
     advantage: Any
     pad_token_id: int
 
@@ -105,19 +106,15 @@ def generate(rollout: Any, rows: list[dict[str, Any]], spec: RunSpec, seed: int)
     return rollout.generate(prompts, spec.algorithm.samples_per_prompt, spec.roles.rollout.sampling, seed)
 
 
-def score(rewards: list[tuple[Any, float]], rows: list[dict[str, Any]], generations: list[Generation],
+def score(rewards: RewardScorer, rows: list[dict[str, Any]], generations: list[Generation],
           spec: RunSpec) -> list[float]:
-    """The weighted sum of every reward plugin's score, per generation."""
+    """The weighted sum of every reward plugin's score, per generation (the runtime's scorer)."""
     samples = [
         RewardSample(prompt=str(rows[g.prompt_index][spec.data.prompt_key]), response=g.text,
                      label=rows[g.prompt_index].get(spec.data.label_key))
         for g in generations
     ]
-    total = [0.0] * len(generations)
-    for plugin, weight in rewards:
-        for i, value in enumerate(plugin.score(samples)):
-            total[i] += weight * float(value)
-    return total
+    return rewards.score(samples).totals
 
 
 def compute_advantages(advantage: Any, rewards: list[float], generations: list[Generation]) -> Any:

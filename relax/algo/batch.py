@@ -298,19 +298,32 @@ def pack_tokens(generations: Sequence[Generation], pad_token_id: int,
                              f"{len(g.logprobs)} log-probs; give one log-prob per response token")
         if not g.prompt_ids:
             raise ValueError(f"generation {i} has an empty prompt; every row needs a prompt token")
-    prompt_width = max(len(g.prompt_ids) for g in generations)
-    response_width = max(len(g.response_ids) for g in generations)
-    width = prompt_width + response_width
+    prompt_lengths = torch.tensor([len(g.prompt_ids) for g in generations], dtype=torch.long)
+    response_lengths = torch.tensor([len(g.response_ids) for g in generations], dtype=torch.long)
+    prompt_width = int(prompt_lengths.max())
+    width = prompt_width + int(response_lengths.max())
     width += -width % max(1, pad_to_multiple_of)
     input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
     rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    for i, g in enumerate(generations):
-        end = prompt_width + len(g.response_ids)
-        input_ids[i, prompt_width - len(g.prompt_ids):prompt_width] = torch.tensor(g.prompt_ids, dtype=torch.long)
-        if g.response_ids:
-            input_ids[i, prompt_width:end] = torch.tensor(g.response_ids, dtype=torch.long)
-            rollout_logprobs[i, prompt_width:end] = torch.tensor(g.logprobs, dtype=torch.float32)
+    # One tensor per kind for the whole batch, scattered to (row, column) at once: a tensor per row
+    # and kind cost more than the rest of the step's bookkeeping together.
+    prompt_rows, prompt_cols = _positions(prompt_lengths, prompt_width - prompt_lengths)
+    input_ids[prompt_rows, prompt_cols] = torch.tensor([t for g in generations for t in g.prompt_ids], dtype=torch.long)
+    if int(response_lengths.sum()):
+        rows_, cols = _positions(response_lengths, torch.full((rows,), prompt_width, dtype=torch.long))
+        input_ids[rows_, cols] = torch.tensor([t for g in generations for t in g.response_ids], dtype=torch.long)
+        rollout_logprobs[rows_, cols] = torch.tensor([p for g in generations for p in g.logprobs],
+                                                     dtype=torch.float32)
     return input_ids, rollout_logprobs
+
+
+def _positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+    """For rows of ``lengths`` tokens placed from column ``starts``: each token's row and column, in
+    row order (the order of the rows' tokens concatenated)."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # where each row begins in the concatenation
+    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
+    return rows, starts[rows] + within
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:

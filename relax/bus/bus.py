@@ -145,8 +145,9 @@ class Bus:
         ``meta`` has one entry per row, a ``RowMeta`` or a dict with at least
         ``policy_version`` and ``sample_id``. The partition is created on first use.
 
-        The metadata is registered before the data, so a consumer can never see a row without
-        its metadata. Returns a handle on the new rows (for ``write_fields``).
+        The metadata travels in the payload with the data (the bus's own field ``__row_meta__``),
+        so a consumer can never see a row without it. Returns a handle on the new rows (for
+        ``write_fields``).
         """
         row_meta = [RowMeta.coerce(m) for m in meta]
         if not row_meta:

@@ -1,79 +1,32 @@
 """Converting columns between what roles hold and what TransferQueue stores.
 
 Roles write a column as one of three kinds, and get the same kind back (``relax.bus.payloads``
-stores them; ``encode_columns`` builds the ``TensorDict`` TransferQueue's own API speaks):
+stores them):
 
 - **dense**: a ``Tensor`` whose first dimension is the row; every row has the same shape.
 - **ragged**: a ``list[Tensor]``, one tensor per row, shapes may differ (token ids of different
-  lengths, images of different sizes). Stored as a nested tensor: jagged layout when only the
-  first row dimension varies, strided layout otherwise.
-- **objects**: a ``list`` of picklable non-tensors (strings, dicts), stored as a ``NonTensorStack``.
+  lengths, images of different sizes).
+- **objects**: a ``list`` of picklable non-tensors (strings, dicts).
+
+This module needs only torch: a process that hands its rows over in memory never imports
+TransferQueue.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
 import torch
 
 from relax.bus.errors import BusError
-from relax.bus.transferqueue import NonTensorStack, TensorDict
 
 #: One column of a batch, as a role writes it and reads it back.
 Column: TypeAlias = torch.Tensor | list[torch.Tensor] | list[Any]
 
 
-def encode_columns(columns: Mapping[str, Column], num_rows: int) -> TensorDict:
-    """Pack columns into the ``TensorDict`` TransferQueue stores, checking each has ``num_rows`` rows."""
-    if not columns:
-        raise BusError("no columns given; write at least one field")
-    packed: dict[str, Any] = {}
-    for name, value in columns.items():
-        if isinstance(value, torch.Tensor):
-            rows = value.size(0) if value.is_nested else (value.shape[0] if value.ndim else None)
-            if rows is None:
-                raise BusError(f"field {name!r} is a 0-d tensor; give one value per row ([{num_rows}, ...])")
-            packed[name] = value
-        elif isinstance(value, (list, tuple)):
-            rows = len(value)
-            packed[name] = _pack_list(name, list(value))
-        else:
-            raise BusError(
-                f"field {name!r} is a {type(value).__name__}; give a Tensor or a list with one entry per row"
-            )
-        if rows != num_rows:
-            raise BusError(
-                f"field {name!r} has {rows} rows but the batch has {num_rows} (one metadata entry per row)"
-            )
-    return TensorDict(packed, batch_size=[num_rows])
-
-
-def _pack_list(name: str, values: list[Any]) -> torch.Tensor | NonTensorStack:
-    tensors = [isinstance(v, torch.Tensor) for v in values]
-    if not any(tensors):
-        return NonTensorStack(*values)
-    if not all(tensors):
-        raise BusError(f"field {name!r} mixes tensors and non-tensors; a column holds one kind")
-    if len({v.dtype for v in values}) != 1 or len({v.ndim for v in values}) != 1:
-        raise BusError(
-            f"field {name!r}: all rows of a ragged column need the same dtype and number of dimensions"
-        )
-    if values[0].ndim == 0:
-        return torch.stack(values)
-    if len({tuple(v.shape[1:]) for v in values}) == 1:
-        return torch.nested.nested_tensor(values, layout=torch.jagged)
-    # More than one ragged dimension (e.g. images): only the strided layout can hold it.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
-        return torch.nested.nested_tensor(values, layout=torch.strided)
-
-
-def column_nbytes(value: Column | TensorDict | NonTensorStack) -> int:
+def column_nbytes(value: Column) -> int:
     """Bytes of tensor payload in a column; non-tensor values count as 0 (they are small by contract)."""
-    if isinstance(value, TensorDict):
-        return sum(column_nbytes(v) for v in value.values())
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             return sum(r.numel() * r.element_size() for r in value.unbind())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 import ray
 import torch
 
-from relax.bus.columns import Column, encode_columns
+from relax.bus.columns import Column
 from relax.bus.errors import BusError
 from relax.bus.transferqueue import NonTensorStack, TensorDict
 from relax.bus.keeper import KEEPER_NAME, PackedColumn, PayloadKeeper
@@ -163,6 +164,51 @@ def unpack(name: str, payloads: list[dict[str, PackedColumn]], pieces: list[tupl
         for i, row in zip(range(num_rows) if dst is None else dst.tolist(), rows):
             rows_out[i] = _to_torch(row, column.dtype)
     return rows_out
+
+
+def encode_columns(columns: Mapping[str, Column], num_rows: int) -> TensorDict:
+    """Columns as the ``TensorDict`` TransferQueue's own API speaks (``get_data``), checking each has ``num_rows`` rows."""
+    if not columns:
+        raise BusError("no columns given; write at least one field")
+    packed: dict[str, Any] = {}
+    for name, value in columns.items():
+        if isinstance(value, torch.Tensor):
+            rows = value.size(0) if value.is_nested else (value.shape[0] if value.ndim else None)
+            if rows is None:
+                raise BusError(f"field {name!r} is a 0-d tensor; give one value per row ([{num_rows}, ...])")
+            packed[name] = value
+        elif isinstance(value, (list, tuple)):
+            rows = len(value)
+            packed[name] = _pack_list(name, list(value))
+        else:
+            raise BusError(
+                f"field {name!r} is a {type(value).__name__}; give a Tensor or a list with one entry per row"
+            )
+        if rows != num_rows:
+            raise BusError(
+                f"field {name!r} has {rows} rows but the batch has {num_rows} (one metadata entry per row)"
+            )
+    return TensorDict(packed, batch_size=[num_rows])
+
+
+def _pack_list(name: str, values: list[Any]) -> torch.Tensor | NonTensorStack:
+    tensors = [isinstance(v, torch.Tensor) for v in values]
+    if not any(tensors):
+        return NonTensorStack(*values)
+    if not all(tensors):
+        raise BusError(f"field {name!r} mixes tensors and non-tensors; a column holds one kind")
+    if len({v.dtype for v in values}) != 1 or len({v.ndim for v in values}) != 1:
+        raise BusError(
+            f"field {name!r}: all rows of a ragged column need the same dtype and number of dimensions"
+        )
+    if values[0].ndim == 0:
+        return torch.stack(values)
+    if len({tuple(v.shape[1:]) for v in values}) == 1:
+        return torch.nested.nested_tensor(values, layout=torch.jagged)
+    # More than one ragged dimension (e.g. images): only the strided layout can hold it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage.*")
+        return torch.nested.nested_tensor(values, layout=torch.strided)
 
 
 def column_schema(columns: Mapping[str, PackedColumn]) -> dict[str, dict[str, Any]]:

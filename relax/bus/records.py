@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from relax.bus.transferqueue import BatchMeta
 
 from relax.bus.columns import Column, pad_rows
 from relax.bus.errors import BusError
+
+if TYPE_CHECKING:  # the records themselves need only torch: no TransferQueue in a process without a bus
+    from relax.bus.transferqueue import BatchMeta
 
 #: The metadata keys the bus itself understands; anything else a producer sets lands in ``extra``.
 _KNOWN_META_KEYS = ("policy_version", "sample_id", "trace")

@@ -13,16 +13,27 @@ COLUMN_ORDER = (*ROLLOUT_COLUMNS, Column.media, Column.rewards, Column.ref_logpr
 
 
 def bus_fields(workers: list[WorkerPlan]) -> list[BusField]:
-    """Every bus column with its single writer and its readers, read off the workers' wiring."""
+    """Every column that travels on the bus, with its single writer and the roles that read it
+    there, read off the workers' wiring. Rows handed over in memory (``hands_to``) reach the bus
+    only with the last loop of their chain, and only if that loop writes (a scorer or an
+    estimator puts the chain's columns; the actor, at the end of colocate's chain, puts nothing);
+    a loop that takes its rows in memory (``takes_from``) reads nothing from the bus."""
     writers: dict[str, str] = {}
     readers: dict[str, list[str]] = {}
     for worker in workers:
+        chain: list[tuple[str, list[str]]] = []  # (role, columns) handed along so far
         for loop in worker.roles:
-            for column in loop.writes:
-                writers.setdefault(column, loop.role)
-            for column in loop.reads:
-                if loop.role not in readers.setdefault(column, []):
-                    readers[column].append(loop.role)
+            chain.append((loop.role, list(loop.writes)))
+            if loop.hands_to is None:
+                if loop.writes:
+                    for role, columns in chain:
+                        for column in columns:
+                            writers.setdefault(column, role)
+                chain = []
+            if loop.takes_from is None:
+                for column in loop.reads:
+                    if loop.role not in readers.setdefault(column, []):
+                        readers[column].append(loop.role)
     order = {name: i for i, name in enumerate(COLUMN_ORDER)}
     return [BusField(name=name, writer=writer, readers=[r for r in readers.get(name, []) if r != writer])
             for name, writer in sorted(writers.items(), key=lambda kv: order.get(kv[0], len(order)))]

@@ -112,8 +112,8 @@ class Controller(Deployment, Supervision, Elastic):
                         found = resume_checkpoint(self.output_dir)
                         start, resume_from = found if found is not None else (0, None)
                         self.metrics = MetricsLog(self.output_dir, start)
-                        for partition in self.bus.partitions():  # the next attempt starts from an empty bus
-                            self.bus.clear(partition)
+                        for partition in self.bus.partitions() if self.bus is not None else ():
+                            self.bus.clear(partition)  # the next attempt starts from an empty bus
                         print(f"relax run: {exc.reason}; resuming from step {start}", flush=True)
         finally:
             late = list(self._joins)
@@ -136,6 +136,8 @@ class Controller(Deployment, Supervision, Elastic):
         (which wait for it in ``Bus.attach``) when Ray has the logical CPUs for both; otherwise it
         starts first, as its actors take logical CPUs the placement groups would reserve, and it
         refuses clearly when too few are free."""
+        if not self.plan.bus:  # every step's rows are handed over in memory: no bus to start
+            return InBackground(lambda: None, name="no-bus")
         from relax.bus import Bus
 
         beside = self._bus_fits_beside()
@@ -156,8 +158,9 @@ class Controller(Deployment, Supervision, Elastic):
                                bus_cpus=logical_cpus())
 
     @property
-    def bus(self) -> Bus:
-        """The run's bus (waits until it has started; raises why it could not)."""
+    def bus(self) -> Bus | None:
+        """The run's bus (waits until it has started; raises why it could not); None when the plan
+        moves nothing over it."""
         return self._bus_start.result()
 
     def _close_bus(self) -> None:
@@ -166,7 +169,8 @@ class Controller(Deployment, Supervision, Elastic):
             bus = self._bus_start.result()
         except Exception:  # already reported by whoever needed the bus
             return
-        bus.close()
+        if bus is not None:
+            bus.close()
 
     def _attempt(self, start: int, resume_from: Path | None) -> None:
         """Run from ``start`` (a checkpoint's step) to the end, recovering in-place failures."""
@@ -242,10 +246,10 @@ class Controller(Deployment, Supervision, Elastic):
                     break
             # Every role reported the step: its rows and units can go (not earlier: a role restarted
             # in place re-reads the step it had not finished).
-            self.bus.clear_soon(partition_of(step))
-            self.state.forget.remote(partition_of(step), step)
+            if self.bus is not None:
+                self.bus.clear_soon(partition_of(step))
+            reports, self._counters = reports  # RunState forgot the step's signals and units meanwhile
             self._consumed += reports[Role.actor].get("samples", 0)
-            self._counters = self._control(self.state.counters.remote())
             end = reports[Role.actor]["end_time"]
             row = step_row(step + 1, reports, end - last_end)
             row.update(self._fault_metrics(reports))

@@ -106,7 +106,8 @@ class Deployment:
                               output_dir=str(self.output_dir), model_path=self.model_path,
                               start_step=self.attempt_start,
                               resume_from=str(self.resume_from_path) if self.resume_from_path else None,
-                              run_carrier=self.carrier, spec_hash=self.spec_hash, ranks=self._ranks(slot))
+                              run_carrier=self.carrier, spec_hash=self.spec_hash, ranks=self._ranks(slot),
+                              bus=bool(self.plan.bus))
         slot.worker = ray.remote(RoleWorker).options(**slot.options, max_concurrency=threads).remote(launch, self.state)
 
     def _ranks(self, slot: Slot) -> dict[str, list[Any]]:

@@ -38,6 +38,9 @@ class Lease:
     unit: dict[str, Any] | None = None
     done: bool = False
     drain: bool = False
+    policy: PolicyVersion | None = None
+    """With a unit: the newest policy when it was leased (admission already waited for it), so the
+    rollout needs no further call to learn it."""
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
-from relax.bus import Bus, BusBatch
+from relax.bus.records import BusBatch
 from relax.contracts import PluginKind
 from relax.roles import Column, Role
 from relax.runtime.health import Activity
@@ -29,6 +29,9 @@ from relax.runtime.rows import relayout, restack
 from relax.runtime.run_state import partition_of
 from relax.plan.model import RoleWiring, RolloutWork, RunSettings, WorkerPlan
 from relax.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from relax.bus import Bus
 
 #: Longest single wait on the control plane before re-checking whether the run was stopped.
 WAIT_SLICE_S = 2.0
@@ -69,6 +72,10 @@ class RoleEnv:
     """What this worker does right now, for its heartbeat."""
     ranks: dict[Role, list[RankPlacement]] = field(default_factory=dict)
     """The ranks of each model role hosted here that spans several processes (rank 0 first)."""
+    leased_policy: PolicyVersion | None = None
+    """The policy the last rollout lease carried (``lease``)."""
+    _lease_ahead: tuple[int, Any] | None = None
+    """A lease asked ahead (``lease_ahead``): its step and the pending call."""
 
     def build_trainer(self, wiring: RoleWiring) -> Any:
         """A model role's backend as its wiring plans it (the trainer, and the actor's loss): in this
@@ -86,15 +93,16 @@ class RoleEnv:
         """``ray.get`` of a call to ``RunState``, bounded (a lost control plane fails the role)."""
         return ray.get(ref, timeout=self.timeout_s)
 
-    def wait_for(self, ask: Callable[[float], Any], what: str) -> Any:
+    def wait_for(self, ask: Callable[[float], Any], what: str, activity: Activity | None = None) -> Any:
         """Block on a ``RunState`` wait in slices, failing clearly on stop, or once the whole run
         has stood still for ``fault_tolerance.wait_timeout_s`` (a role waits as long as the run
         moves: a slow producer upstream is not a failure, a dead or stuck one is).
 
         ``ask(slice_s)`` makes the call (``state.wait_ready.remote(..., slice_s)``); a falsy answer
-        means the slice ran out. ``what`` names the wait in the heartbeat and in errors."""
+        means the slice ran out. ``what`` names the wait in the heartbeat and in errors; a wait in a
+        background thread gives an ``activity`` of its own (the heartbeat reports the main thread's)."""
         started = time.monotonic()
-        with self.activity.waiting(what):
+        with (activity or self.activity).waiting(what):
             while True:
                 result = self.call(ask(WAIT_SLICE_S))
                 if result:
@@ -109,21 +117,41 @@ class RoleEnv:
                                        "stuck or dead")
 
     def lease(self, only_step: int | None) -> Lease:
-        """The next rollout unit for this worker (see ``RunState.lease``)."""
+        """The next rollout unit for this worker (see ``RunState.lease``); the policy it carries is
+        remembered for ``wait_version``. A lease asked ahead for this step (``lease_ahead``) is
+        taken first: usually it is granted by now, and the rollout waits for nothing."""
         k = self.settings.max_staleness
-        return self.wait_for(lambda t: self.state.lease.remote(self.holder, k, only_step, t),
-                             f"lease{(self.holder, k, only_step)}")
+        ahead, self._lease_ahead = self._lease_ahead, None
+        asks = [ahead[1]] if ahead is not None and ahead[0] == only_step else []
+
+        def ask(slice_s: float) -> Any:
+            return asks.pop() if asks else self.state.lease.remote(self.holder, k, only_step, slice_s)
+
+        got = self.wait_for(ask, f"lease{(self.holder, k, only_step)}")
+        self.leased_policy = got.policy
+        return got
+
+    def lease_ahead(self, step: int) -> None:
+        """Ask now for the unit of ``step`` that the next ``lease(step)`` takes (RunState holds the
+        call until the staleness bound admits it), so the answer travels while this worker does
+        other work. A unit granted to a worker that then fails goes back to the ledger like any."""
+        k = self.settings.max_staleness
+        self._lease_ahead = (step, self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S))
 
     def wait_version(self, min_version: int) -> PolicyVersion:
-        """The newest published policy once it is at least ``min_version``."""
+        """The newest published policy once it is at least ``min_version`` (the one the last lease
+        carried, when new enough: no call)."""
+        known = self.leased_policy
+        if known is not None and known.version >= min_version:
+            return known
         return self.wait_for(lambda t: self.state.wait_version.remote(min_version, t), f"wait_version({min_version},)")
 
-    def wait_ready(self, step: int, columns: tuple[Column, ...]) -> UnitInfo:
+    def wait_ready(self, step: int, columns: tuple[Column, ...], activity: Activity | None = None) -> UnitInfo:
         """Until every column of ``columns`` is announced for every row of the step; then how the
         step's rows were made (``RunState.wait_ready``: one call for both)."""
         fields = [str(c) for c in columns]
         return self.wait_for(lambda t: self.state.wait_ready.remote(step, fields, t),
-                             f"wait_ready{(partition_of(step), *fields)}")
+                             f"wait_ready{(partition_of(step), *fields)}", activity)
 
     def bus_task(self, step: int, done: dict[int, dict[str, Any]], after: Column | tuple[Column, ...], fields: tuple[Column, ...],
                  task: str, work: Any) -> dict[str, Any]:
@@ -137,14 +165,17 @@ class RoleEnv:
             done[step]["bus_s"] = time.perf_counter() - started - computed
         return done.pop(step)
 
-    def take(self, step: int, after: Column | tuple[Column, ...], fields: tuple[Column, ...], task: str) -> BusBatch:
+    def take(self, step: int, after: Column | tuple[Column, ...], fields: tuple[Column, ...], task: str,
+             activity: Activity | None = None) -> BusBatch:
         """This task's rows of a step, once every column in ``after`` has been announced for them:
         exactly the rows of the acknowledged rollout attempts (orphans of a failed replica are
-        skipped and counted as dropped), in sample order, token columns in one layout."""
+        skipped and counted as dropped), in sample order, token columns in one layout. A take in a
+        background thread (reading ahead) passes an ``activity`` of its own."""
         partition = partition_of(step)
-        info = self.wait_ready(step, (after,) if isinstance(after, str) else tuple(after))
+        activity = activity or self.activity
+        info = self.wait_ready(step, (after,) if isinstance(after, str) else tuple(after), activity)
         mixed = info.units > 1
-        with self.activity.busy(f"{task} reads step {step}"):
+        with activity.busy(f"{task} reads step {step}"):
             if not info.retried:
                 batch = self.bus.get(partition, list(fields), task=task, batch_size=self.batch_size,
                                      timeout_s=self.timeout_s)

@@ -115,7 +115,7 @@ class RunState:
                     return Lease(done=True)
                 unit = ledger.lease(holder, self._version + max_staleness, only_step)
                 if unit is not None:
-                    return Lease(unit=unit)
+                    return Lease(unit=unit, policy=PolicyVersion(self._version, self._weights))
                 if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
                     return Lease(done=True)
                 try:
@@ -188,16 +188,24 @@ class RunState:
 
     # -- per-step reports -----------------------------------------------------------------------
 
-    async def report(self, report: StepReport) -> None:
-        """A role loop finished a step (its stats are joined by the controller's ``wait_reports``)."""
-        self._reports.setdefault(report.step, {})[report.name] = report.stats
-        self._done_steps[report.name] = max(report.step, self._done_steps.get(report.name, -1))
+    async def report(self, reports: list[StepReport]) -> None:
+        """Role loops finished a step (one call per worker step: the stats of its loops, joined by the
+        controller's ``wait_reports``)."""
+        for report in reports:
+            self._reports.setdefault(report.step, {})[report.name] = report.stats
+            self._done_steps[report.name] = max(report.step, self._done_steps.get(report.name, -1))
         await self._notify()
 
-    async def wait_reports(self, step: int, roles: list[str], timeout_s: float) -> dict[str, dict[str, Any]] | None:
-        """The reports of every role for ``step`` once all have arrived; None on timeout or stop."""
+    async def wait_reports(self, step: int, roles: list[str],
+                           timeout_s: float) -> tuple[dict[str, dict[str, Any]], SampleCounters] | None:
+        """The reports of every role for ``step`` once all have arrived, with the sample counters;
+        None on timeout or stop. Once every role reported it, the step's signals and rollout units
+        are forgotten (a role restarted in place re-reads a step only while it is unreported)."""
         ok = await self._wait(lambda: all(r in self._reports.get(step, {}) for r in roles), timeout_s)
-        return self._reports.pop(step, None) if ok else None
+        if not ok:
+            return None
+        await self.forget(partition_of(step), step)
+        return self._reports.pop(step), await self.counters()
 
     # -- stopping --------------------------------------------------------------------------------
 

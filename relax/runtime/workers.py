@@ -16,7 +16,6 @@ from typing import Any
 import ray
 import torch
 
-from relax.bus import Bus
 from relax.roles import CRITIC_VALUES, Role
 from relax.runtime.checkpoint import restore_rng
 from relax.runtime.health import Heartbeat
@@ -63,10 +62,21 @@ class WorkerLaunch:
     """The ranks of each multi-process model role it hosts, with their bundles (rank 0 first)."""
     holder: str = ""
     """Its name in the run; the planned worker's unless it is an extra rollout replica."""
+    bus: bool = True
+    """Whether the run moves rows over the bus (``Plan.bus``); a colocated run that hands every step
+    over in memory starts none, and its worker neither attaches nor imports TransferQueue."""
 
     @property
     def name(self) -> str:
         return self.holder or self.worker.holder
+
+
+def attach_bus(timeout_s: float) -> Any:
+    """This process's handle on the run's bus (imported here: a worker without a bus never loads
+    TransferQueue)."""
+    from relax.bus import Bus
+
+    return Bus.attach(timeout_s)
 
 
 def role_failure(what: str, exc: BaseException) -> RuntimeError:
@@ -95,7 +105,7 @@ class RoleWorker:
         faults = settings.fault_tolerance
         # The driver may still be starting the bus: attach in the background while the plugins build
         # (their constructors never touch the bus), and join before the worker says it is ready.
-        attaching = InBackground(lambda: Bus.attach(faults.wait_timeout_s), name="bus-attach")
+        attaching = InBackground(lambda: attach_bus(faults.wait_timeout_s), name="bus-attach") if launch.bus else None
         self.env = RoleEnv(settings=settings, worker=plan, work=launch.work, output_dir=output_dir, bus=None,
                            state=state, timeout_s=faults.wait_timeout_s, threads=plan.threads,
                            model_path=launch.model_path, telemetry=telemetry, holder=holder, ranks=launch.ranks)
@@ -150,7 +160,7 @@ class RoleWorker:
                    Role.advantage: advantage, Role.actor_fwd: actor_fwd, Role.actor: actor, Role.critic: critic}
         # One step of every hosted loop, in the plan's (data) order.
         self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
-        self.env.bus = attaching.result()
+        self.env.bus = attaching.result() if attaching is not None else None
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built."""
@@ -180,10 +190,13 @@ class RoleWorker:
         if resumed:
             starts = {role: max(start_step, resumed.get(role, start_step - 1) + 1) for role in starts}
             for loop in self.loops:
-                if loop.role != Role.rollout and starts[loop.role] < steps:
+                if loop.role != Role.rollout and starts[loop.role] < steps and self.env.bus is not None:
                     self.env.bus.reset_consumption(partition_of(starts[loop.role]), loop.role)
         done = start_step
         role = "/".join(self.roles)
+        # The loops' reports of a step go in one call once every loop did it (each call to RunState
+        # costs both processes CPU); a loop that finished before another failed is still reported.
+        pending: list[StepReport] = []
         try:
             for step in range(min(starts.values(), default=steps), steps):
                 for loop in self.loops:
@@ -195,11 +208,15 @@ class RoleWorker:
                         stats = loop.step(step)
                     stats["busy_s"] = time.perf_counter() - started
                     stats["started_at"] = wall
-                    self.state.report.remote(StepReport(step, str(loop.role), stats))
+                    pending.append(StepReport(step, str(loop.role), stats))
+                self.state.report.remote(pending)
+                pending = []
                 done = step + 1
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
+            if pending:
+                self.state.report.remote(pending)
             raise role_failure(f"role {role} failed at step {done}", exc) from None
         finally:
             self.env.telemetry.flush()
@@ -225,7 +242,8 @@ class RoleWorker:
         for backend in self._ranked().values():
             backend.close()
         self.env.telemetry.shutdown()
-        self.env.bus.close()
+        if self.env.bus is not None:
+            self.env.bus.close()
 
     def open_weight_group(self, holder: str, receivers: int) -> dict[str, Any]:
         """A new weight group for rollout replica ``holder`` with ``receivers`` ranks (collective

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from relax.bus import BusError, RowMeta, pad_rows
-from relax.bus.columns import column_nbytes, encode_columns
-from relax.bus.payloads import pack_columns, unpack
+from relax.bus.columns import column_nbytes
+from relax.bus.payloads import encode_columns, pack_columns, unpack
 
 
 def test_encode_keeps_dense_tensors_and_packs_lists() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ from relax.algo.batch import TrainBatch
 from relax.plan.model import RoleWiring
 from relax.roles import Role
 from relax.runtime.checkpoint import save_checkpoint
-from relax.bus import BusBatch, RowMeta
+from relax.bus.records import BusBatch, RowMeta
+from relax.runtime.health import Activity
 from relax.runtime.role_env import RoleEnv, StalenessViolation, sample_key
 from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import WeightChannel
@@ -37,6 +39,9 @@ class ActorLoop:
         self.in_memory = wiring.takes_from is not None
         """The rows come from the rollout in this process (``hand``), not from the bus."""
         self.handed: dict[int, BusBatch] = {}
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actor-read-ahead")
+        """Reads the next step's rows from the bus while this step trains."""
+        self._ahead: tuple[int, Future] | None = None
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
         self.version = start_step
@@ -51,6 +56,21 @@ class ActorLoop:
         order = sorted(range(len(rows)), key=lambda i: sample_key(rows[i]))
         self.handed[step] = batch.select(order) if order != list(range(len(rows))) else batch
 
+    def _rows(self, step: int) -> BusBatch:
+        """The step's rows from the bus: read ahead while the previous step trained, when it was;
+        then the next step's read starts, to travel while this one trains. (The actor's failure
+        resumes the run from its checkpoint with an empty bus, so rows read ahead are never lost.)"""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            with self.env.activity.waiting(f"actor waits for the rows of step {step}"):
+                batch = ahead[1].result()
+        else:
+            batch = self.env.take(step, self.after, self.fields, Role.actor)
+        if step + 1 < self.env.settings.steps:
+            self._ahead = (step + 1, self._reader.submit(self.env.take, step + 1, self.after, self.fields, Role.actor,
+                                                         Activity()))
+        return batch
+
     def step(self, step: int) -> dict[str, Any]:
         settings, env = self.env.settings, self.env
         t0 = time.perf_counter()
@@ -60,7 +80,7 @@ class ActorLoop:
                                    "them in memory); a worker restarted in place cannot train this way")
             batch = self.handed.pop(step)
         else:
-            batch = env.take(step, self.after, self.fields, Role.actor)
+            batch = self._rows(step)
         t1 = time.perf_counter()
         versions = [m.policy_version for m in batch.meta]
         lags = [step - v for v in versions]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from relax.algo.batch import TrainBatch
-from relax.bus import BusBatch
+from relax.bus.records import BusBatch
 from relax.roles import Column, Role
 from relax.contracts import PluginKind
 from relax.plan.model import RoleWiring

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relax.bus import BusBatch
+from relax.bus.records import BusBatch
 from relax.contracts import RewardSample
 from relax.roles import Column, Role
 from relax.plan.model import RoleWiring

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,13 @@ class RolloutLoop:
         ``advantage.hands_to``); the rows then never touch the bus."""
         self.ragged = env.work.ragged
         """Several units per step: token columns go ragged (their dense layouts would differ)."""
+        self.sole_producer = env.work.units_per_step == 1 and env.work.replica_limit == 1
+        """One replica makes every step whole: its acknowledgements need no answer (nothing can
+        revoke its lease, and its one unit's stats are the step's). A worker that dies before its
+        acknowledgement lands has its unit generated again, as if it died before sending it."""
+        self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
+        """A sole producer's puts run here, one at a time, while it generates the next step."""
+        self._putting: Future | None = None
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -79,6 +87,8 @@ class RolloutLoop:
         while (got := self.env.lease(step)).unit is not None:
             done = self.produce(got.unit)
             if done.step_stats is not None:  # this unit completed the step
+                if self.sole_producer and step + 1 < self.env.settings.steps:
+                    self.env.lease_ahead(step + 1)  # granted while the step trains (colocate) or in flight
                 return merge_unit_stats(done.step_stats)
         return merge_unit_stats(self.env.call(self.env.state.step_stats.remote(step)))
 
@@ -136,18 +146,41 @@ class RolloutLoop:
                     columns.update(produced)
                     ready += list(produced)
         t3 = time.perf_counter()
-        if self.learner is not None:
-            self.learner.hand(step, columns, batch.meta)
-        else:
-            env.bus.put(partition_of(step), columns, batch.meta)
         skipped = {}
         if self.media is not None:  # rows replaced for bad media (data.on_bad_sample: skip)
             skipped, self.media.skipped = {"skipped_samples": self.media.skipped}, 0
         stats = {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": rollout_s,
-                 "bus_s": time.perf_counter() - t3, "response_tokens": batch.tokens, "policy_version": held,
+                 "response_tokens": batch.tokens, "policy_version": held,
                  "order": batch.order, "holder": env.holder, **sampling, **skipped}
+        if self.learner is not None:  # colocate: the actor beside it takes the rows, and the ack is not awaited
+            self.learner.hand(step, columns, batch.meta)
+            stats["bus_s"] = time.perf_counter() - t3
+            env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready)
+            return UnitDone(accepted=True, step_stats=[stats])
+        if self.sole_producer:
+            # Put and acknowledge in the background while this thread goes on to the next step; only
+            # the wait for the previous put (one at a time, in order) counts as this step's bus time.
+            self.flush()
+            stats["bus_s"] = time.perf_counter() - t3
+            ack = (env.holder, step, unit["unit"], unit["attempt"], stats, ready)
+            self._putting = self._putter.submit(self._put_and_ack, partition_of(step), columns, batch.meta, ack)
+            if step + 1 >= settings.steps:
+                self.flush()  # the run's last rows are on the bus before the loop reports its last step
+            return UnitDone(accepted=True, step_stats=[stats])
+        env.bus.put(partition_of(step), columns, batch.meta)
+        stats["bus_s"] = time.perf_counter() - t3
         # The acknowledgement announces the step's columns once its last unit is in.
         return env.call(env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready))
+
+    def _put_and_ack(self, partition: str, columns: dict[str, Any], meta: list[dict[str, Any]], ack: tuple) -> None:
+        self.env.bus.put(partition, columns, meta)
+        self.env.state.complete.remote(*ack)  # nothing can revoke a sole producer's lease: not awaited
+
+    def flush(self) -> None:
+        """Wait for the put in flight, if any, raising its failure (the rows never reached the bus)."""
+        putting, self._putting = self._putting, None
+        if putting is not None:
+            putting.result()
 
     def _sample(self, step: int, round_: int, indices: list[int], carrier: dict[str, str],
                 unit: dict[str, Any]) -> SampledBatch:

@@ -1,0 +1,126 @@
+"""Where a step's time goes: Relax's runtime against its own plugins driven in one process, and
+asynchronous (separate) against colocated training.
+
+    python bench/step_time.py [--steps 60] [--skip 10] [--repeats 2] [key=value ...]
+
+Why: the runtime (Ray actors, the control plane, the bus, weight channels) must cost little over
+the work itself, or a user timing us against a synchronous trainer picks the trainer. On one
+embedded Ray, alternating the three so drift on a shared machine hits all alike, it runs the tiny
+CPU preset:
+
+- **plugins**: the synchronous loop of ``bench/learn_tiny.py`` in this process: the same plugins
+  (hf rollout, exact_match, grpo, torch trainer) with no runtime, and the torch threads the
+  colocated worker gets;
+- **colocate** (max_staleness 0): one worker alternates generating and training, rows in memory;
+- **separate** (max_staleness 1): the rollout generates the next batch while the actor trains.
+
+It prints per side the steady s/step (median over the steps after ``--skip``, then the median of
+the repeats, with their range), the work in a step (generating + scoring + training) and the work
+share (``time/work_frac``: work / step time), then the ratios issue 17 asks for: colocate over
+plugins (at most 1.1x), separate's speedup over colocate (at least 1.3x), and the work shares (at
+least 0.85 colocated, 0.9 separate). The Relax paper reports 1.76x-2.00x async speedups on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_runs import run_tiny  # noqa: E402
+
+#: The modes and their staleness bound.
+MODES = {"colocate": 0, "separate": 1}
+
+
+@dataclass
+class Side:
+    """One way of running the work, over the repeats."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    work_s: list[float] = field(default_factory=list)
+    share: list[float] = field(default_factory=list)
+
+    def add(self, step_s: list[float], work_s: list[float], share: list[float]) -> None:
+        self.step_s.append(statistics.median(step_s))
+        self.work_s.append(statistics.median(work_s))
+        self.share.append(statistics.median(share))
+
+    def line(self, base: float | None) -> str:
+        med = statistics.median(self.step_s)
+        ratio = f"{med / base:.2f}x" if base else "-"
+        return (f"{self.name:>9} | {med:.4f} ({min(self.step_s):.4f}-{max(self.step_s):.4f}) | "
+                f"{statistics.median(self.work_s):.4f} | {statistics.median(self.share):.2f} | {ratio:>8}")
+
+
+def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list[float], list[float]]:
+    """The synchronous loop over the built-in plugins, in this process."""
+    import torch
+
+    from learn_tiny import BENCH_SPEC, run
+    from relax.spec import validate_spec
+
+    torch.set_num_threads(threads)
+    spec = validate_spec(dict(BENCH_SPEC, trainer={"steps": steps}))
+    records = run(spec, os.environ.get("RELAX_CACHE", "~/.cache/relax"), steps, log=lambda *_: None)[skip:]
+    step_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
+    work_s = [r["generate_s"] + r["score_s"] + r["train_s"] for r in records]
+    return step_s, work_s, [w / s for w, s in zip(work_s[1:], step_s)]
+
+
+def relax_once(mode: str, steps: int, skip: int, root: Path, tag: str,
+               extra: list[str]) -> tuple[list[float], list[float], list[float]]:
+    rows = run_tiny(f"{mode}-{tag}", root, [f"trainer.steps={steps}", f"placement.mode={mode}",
+                                           f"async_policy.max_staleness={MODES[mode]}", "tracing.exporter=none",
+                                           *extra])[skip:]
+    work = [r["time/rollout_s"] + r["time/reward_s"] + r["time/advantage_s"] + r["time/train_s"] for r in rows]
+    return [r["time/step_s"] for r in rows], work, [r["time/work_frac"] for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--skip", type=int, default=10, help="first steps left out (warm-up)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the Relax runs")
+    args = parser.parse_args()
+    import ray
+
+    from relax.runtime.launch import EMBEDDED_RAY_CPUS
+
+    ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    sides = {name: Side(name) for name in ("plugins", *MODES)}
+    # The colocated worker's torch threads: what the plan gives a worker hosting every role.
+    threads = max(1, min(2, os.cpu_count() or 1))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.repeats):
+                sides["plugins"].add(*plugins_once(args.steps, args.skip, threads))
+                for mode in MODES:
+                    sides[mode].add(*relax_once(mode, args.steps, args.skip, Path(tmp), str(r), args.overrides))
+    finally:
+        ray.shutdown()
+
+    base = statistics.median(sides["plugins"].step_s)
+    print(f"\ntiny preset, {args.steps} steps, steady state after {args.skip}, median of {args.repeats} "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    header = f"{'':>9} | {'s/step (range)':^24} | {'work s':^6} | share | {'/plugins':>8}"
+    print(header)
+    print("-" * len(header))
+    for side in sides.values():
+        print(side.line(base))
+    colocate, separate = (statistics.median(sides[m].step_s) for m in MODES)
+    print(f"\ncolocate / plugins in one process: {colocate / base:.2f}x (issue 17: at most 1.10x)")
+    print(f"separate speedup over colocate:    {colocate / separate:.2f}x (at least 1.3x)")
+    print(f"work share: colocate {statistics.median(sides['colocate'].share):.2f} (at least 0.85), "
+          f"separate {statistics.median(sides['separate'].share):.2f} (at least 0.9)")
+
+
+if __name__ == "__main__":
+    main()
