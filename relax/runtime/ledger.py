@@ -123,6 +123,14 @@ class RolloutLedger:
     def step_done(self, step: int) -> bool:
         return all(unit.done for unit in self.units(step))
 
+    def done_through(self) -> int:
+        """The last step up to which every step's units are acknowledged (``start_step - 1`` when
+        the first is not): where a restarted rollout must pick up, whatever it reported."""
+        step = self.start_step
+        while step < self.steps and self.step_done(step):
+            step += 1
+        return step - 1
+
     def accepted(self, step: int) -> dict[int, int]:
         """Per unit of a step, the attempt whose rows count."""
         return {unit.index: unit.attempt for unit in self.units(step) if unit.done}

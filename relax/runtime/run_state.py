@@ -19,6 +19,10 @@ from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, Sample
                                    UnitInfo)
 
 
+#: The rollout's report name (``relax.roles.Role.rollout``; this module stays free of the rest).
+ROLLOUT = "rollout"
+
+
 def partition_of(step: int) -> str:
     """The bus partition that holds a step's rows."""
     return f"step-{step}"
@@ -183,8 +187,14 @@ class RunState:
         return RunStatus(stopped=self._stopped, stalled_s=time.time() - self._moved_at)
 
     async def progress(self) -> dict[str, int]:
-        """Per report name, the last step it reported (where a restarted role picks up)."""
-        return dict(self._done_steps)
+        """Per report name, the last step it reported (where a restarted role picks up). The
+        rollout's is capped by the ledger: a rollout that puts and acknowledges in the background
+        reports a step before its acknowledgement lands, and one that died in between must make
+        that step again."""
+        done = dict(self._done_steps)
+        if self._ledger is not None and ROLLOUT in done:
+            done[ROLLOUT] = min(done[ROLLOUT], self._ledger.done_through())
+        return done
 
     # -- per-step reports -----------------------------------------------------------------------
 
