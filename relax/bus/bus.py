@@ -20,6 +20,7 @@ per sample caps a role at a few hundred samples per second (FACTS-runtime.md sec
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
@@ -70,6 +71,8 @@ class Bus:
         """Tensor bytes this handle has written (``put`` and ``write_fields``)."""
         self.bytes_got = 0
         """Tensor bytes this handle has read (``get``)."""
+        self._clearing: list[concurrent.futures.Future] = []
+        """Clears started by ``clear_soon`` and not known to be finished."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -108,6 +111,10 @@ class Bus:
         """Release this handle. The owner also stops the controller and the payload keeper. Idempotent."""
         if self._client is None:
             return
+        # Let clears in flight finish first: a request cut off when its event loop stops is torn
+        # down later by the garbage collector, in a thread whose context it cannot unwind in.
+        concurrent.futures.wait(self._clearing, timeout=_CONTROLLER_TIMEOUT_S)
+        self._clearing = []
         if self._owner:
             deployment.stop_deployment()
         else:
@@ -331,7 +338,8 @@ class Bus:
         drops everything when it closes.
         """
         client = self.client
-        asyncio.run_coroutine_threadsafe(client.async_clear_partition(partition), client._loop)
+        self._clearing = [f for f in self._clearing if not f.done()]
+        self._clearing.append(asyncio.run_coroutine_threadsafe(client.async_clear_partition(partition), client._loop))
 
     def _ask(
         self,
