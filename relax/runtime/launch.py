@@ -22,7 +22,7 @@ QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFOR
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
 #: What the driver needs once Ray runs (torch, TransferQueue, telemetry, the controller): imported
 #: in a background thread while Ray starts, since ``ray.init`` mostly waits for its own processes.
-RUNTIME_MODULES = ("relax.bus", "relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
+RUNTIME_MODULES = ("relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
                    "relax.runtime.controller", "relax.runtime.run_state", "relax.runtime.ledger",
                    "relax.runtime.workers")
 #: ``module.function`` that every Ray worker process of the run calls before anything else (Ray's
@@ -75,11 +75,17 @@ def keep_previous_run(output_dir: Path) -> Path | None:
     return kept
 
 
-def import_runtime() -> None:
-    """Import ``RUNTIME_MODULES`` (run in a background thread while Ray starts)."""
+#: The bus's module (torch, TransferQueue, tensordict): imported beside the runtime only for a run
+#: that moves rows over the bus (``relax.bus`` itself loads its names lazily).
+BUS_MODULE = "relax.bus.bus"
+
+
+def import_runtime(plan: Plan) -> None:
+    """Import ``RUNTIME_MODULES``, and the bus when the plan uses one (run in a background thread
+    while Ray starts)."""
     import importlib
 
-    for name in RUNTIME_MODULES:
+    for name in (*RUNTIME_MODULES, *([BUS_MODULE] if plan.bus else [])):
         importlib.import_module(name)
 
 
@@ -179,7 +185,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
     clock.mark("model")
     # Ray mostly waits for the processes it starts: the driver imports the runtime meanwhile.
-    imports = InBackground(import_runtime, name="runtime-imports", clock=clock, part="runtime_imports")
+    imports = InBackground(lambda: import_runtime(plan), name="runtime-imports", clock=clock, part="runtime_imports")
     embedded = _init_ray(spec)
     code = EXIT_RUN_FAILED
     try:
