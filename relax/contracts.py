@@ -39,6 +39,7 @@ class PluginKind(StrEnum):
     datasets = "datasets"
     modalities = "modalities"
     models = "models"
+    environments = "environments"
 
     @property
     def group(self) -> str:
@@ -92,6 +93,14 @@ HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
         Hook("architecture", ()),
         Hook("materialize", ("cache_dir",)),
     ),
+    # Published contract for third parties: keep it stable (docs/agents.md). ``start`` and ``step``
+    # may be ``async def``; either runs off the rollout's generation thread, under the tool timeout.
+    PluginKind.environments: (
+        Hook("__init__", ("config",)),
+        Hook("tools", ()),
+        Hook("start", ("task",)),
+        Hook("step", ("state", "turn")),
+    ),
 }
 
 
@@ -119,6 +128,101 @@ class Generation:
     logprobs: list[float]
     text: str
     finished: bool = True
+    loss_mask: list[int] | None = None
+    """Per response token, 1 where the policy chose it and 0 where it did not (a multi-turn
+    trajectory's observation and chat-template tokens); None: every response token is the policy's."""
+    token_versions: list[int] | None = None
+    """Per response token, the policy version that chose it (0 off the policy's tokens); None: the
+    generation's one version (the rollout's, recorded per row)."""
+
+
+@dataclass
+class TokenPrompt:
+    """A prompt given as token ids (``generate_tokens``): a multi-turn trajectory's tokens so far,
+    never re-tokenized. ``media`` are the references of every media item in ``ids``, in order (their
+    placeholders are already expanded in ``ids``)."""
+
+    ids: list[int]
+    media: list[Any] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    """This call's budget (a turn's, or what is left of the trajectory's); None: the sampling's."""
+
+
+# -- agents ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool an environment offers the model: rendered into the prompt by the chat template (the
+    OpenAI function-tool form), and checked when the model calls it."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    """The JSON schema of the arguments object."""
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``tools`` entry (what Hugging Face chat templates take as ``tools``)."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One well-formed tool call parsed from a model turn."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+
+@dataclass
+class AgentTask:
+    """What an environment starts a trajectory from: one data row (``data.prompt_key`` and
+    ``data.label_key``, the row itself) and which sample of its group this trajectory is."""
+
+    prompt: str
+    label: Any
+    row: dict[str, Any]
+    index: int
+    """The row's index in the data set."""
+    sample: int
+    """Which of the ``samples_per_prompt`` trajectories of the row this is."""
+    trajectory_id: str
+
+
+@dataclass
+class Turn:
+    """One model turn, as the environment receives it."""
+
+    index: int
+    """0 for the first model turn."""
+    text: str
+    """The turn's decoded text (without the stop token)."""
+    tool_calls: list[ToolCall]
+    """The well-formed calls to declared tools, in order (a malformed one never reaches ``step``:
+    the model gets an error observation instead)."""
+    finished: bool
+    """The model ended the turn itself (False: cut at the turn's or the trajectory's token budget)."""
+
+
+@dataclass
+class Observation:
+    """What an environment returns after a turn: the next message the model sees (unless ``done``),
+    whether the trajectory ends, and an optional turn reward.
+
+    ``content`` is text, or a list of items: ``{"type": "text", "text": ...}`` and media items such
+    as ``{"type": "image", "image": <path, bytes or array>}`` (``audio``, ``video`` alike), which
+    travel by reference like the data's media and reach the model in its next turn."""
+
+    content: str | list[dict[str, Any]] = ""
+    done: bool = False
+    reward: float | None = None
+    """A turn reward, added to the trajectory's reward (``roles.rollout.agent.turn_reward_weight``)."""
+    role: str = "tool"
+    """The chat role of the message: ``tool`` (a tool result) or ``user``."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Small JSON-able facts kept with the trajectory's metadata (not shown to the model)."""
 
 
 
@@ -231,6 +335,12 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
         Trait("needs_entropy", "a bool, or None", None,
               "None: compute takes no entropy. A bool: compute takes per-token entropy when it is "
               "True (an instance sets it from its context).", _optional(_is_bool)),
+    ),
+    PluginKind.environments: _traits(
+        Trait("observation_modalities", f"a frozenset of {', '.join(sorted(MODALITIES - {'text'}))}",
+              frozenset(), "Media an environment's observations may carry (each needs its "
+              "data.media_keys entry, so the rollout and the trainer build its modality plugin).",
+              _subset_of(MODALITIES - {"text"})),
     ),
     PluginKind.rewards: _traits(
         Trait("model_based", "a bool", False,

@@ -24,6 +24,8 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 BadSamplePolicy = Literal["error", "skip"]
 FailurePolicy = Literal["restart", "resume", "stop"]
 WeightSync = Literal["auto", "object_store", "collective"]
+ToolCallFormat = Literal["hermes"]
+TruncatedPolicy = Literal["score", "mask"]
 
 #: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
 PluginOptions = dict[str, Any]
@@ -272,6 +274,59 @@ class OptimizerSpec(Section):
     """Adam epsilon."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+class GatewaySpec(Section):
+    """The OpenAI-compatible endpoint an agent program drives the policy through (docs/agents.md)."""
+
+    program: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """The agent program, as ``package.module:function``: called once per trajectory with the task
+    (``relax.contracts.AgentTask``), the endpoint's base URL and the trajectory's API key; it talks to
+    the policy with any OpenAI client and returns its reward (a float) or None (the reward plugins
+    score the trajectory)."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on; loopback by default (set 0.0.0.0 only inside a trusted network)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0 picks a free one."""
+
+
+class AgentSpec(Section):
+    """Multi-turn, tool-using rollouts: an environment (or an agent program through the gateway)
+    answers every model turn until the trajectory ends (docs/agents.md)."""
+
+    environment: str | None = None
+    """A ``relax.environments`` plugin (``calculator``, or any registered one)."""
+    environment_options: PluginOptions = Field(default_factory=dict)
+    """Options of the environment, checked against its ``Config``."""
+    gateway: GatewaySpec | None = None
+    """Serve ``/v1/chat/completions`` to an agent program instead of driving an environment."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per trajectory at most; the trajectory is truncated after the last one."""
+    max_tokens: int = Field(512, ge=1)
+    """Tokens after the prompt per trajectory at most (model, observation and chat-template tokens
+    together); a trajectory that reaches it is truncated."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Tokens per model turn at most; null: ``roles.rollout.sampling.max_new_tokens``."""
+    tool_timeout_s: float = Field(30.0, gt=0.0)
+    """Seconds one environment call (start, or a step with its tool calls) may take; past it the
+    trajectory ends with an error (it is kept with a zero loss mask)."""
+    tool_call_format: ToolCallFormat = "hermes"
+    """How tool calls are written in a model turn: ``hermes`` is ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` (Qwen and Hermes chat templates)."""
+    concurrency: int = Field(32, ge=1)
+    """Environment calls running at once per rollout replica."""
+    truncated: TruncatedPolicy = "score"
+    """A truncated trajectory (turn or token budget spent): ``score`` scores and trains on it as it
+    is; ``mask`` keeps it in the batch with a zero loss mask (it teaches nothing)."""
+    turn_reward_weight: float = 1.0
+    """Weight of the environment's turn rewards, added to the reward plugins' score."""
+
+    @model_validator(mode="after")
+    def _one_driver(self) -> "AgentSpec":
+        if (self.environment is None) == (self.gateway is None):
+            raise ValueError("give exactly one of environment (a relax.environments plugin) and gateway "
+                             "(an agent program behind the OpenAI endpoint)")
+        return self
 
 
 class RolloutRole(Section):
