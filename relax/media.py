@@ -63,10 +63,20 @@ class MediaRef:
         return cls(**value)
 
 
-def dumps_context(prompt: str, refs: list[MediaRef]) -> str:
+def dumps_context(prompt: str, refs: list[MediaRef], tokens_given: bool = False) -> str:
     """A sample's multimodal context (its prompt text and media references) as one JSON string:
-    the value of the bus's ``media`` column."""
-    return json.dumps({"prompt": prompt, "refs": [r.to_dict() for r in refs]}, sort_keys=True)
+    the value of the bus's ``media`` column. ``tokens_given``: the row's tokens are final (an
+    agentic trajectory, whose ``refs`` are all its media in token order): a trainer rebuilds only
+    the media tensors from them, never the tokens."""
+    value: dict[str, Any] = {"prompt": prompt, "refs": [r.to_dict() for r in refs]}
+    if tokens_given:
+        value["tokens_given"] = True
+    return json.dumps(value, sort_keys=True)
+
+
+def context_gives_tokens(text: str) -> bool:
+    """Whether a ``media`` column entry is an agentic trajectory's (``dumps_context(tokens_given=True)``)."""
+    return bool(json.loads(text).get("tokens_given", False))
 
 
 def loads_context(text: str) -> tuple[str, list[MediaRef]]:

@@ -55,12 +55,19 @@ class Column(StrEnum):
     values = "values"
     ref_logprobs = "ref_logprobs"
     old_logprobs = "old_logprobs"
+    loss_mask = "loss_mask"
+    """Agentic runs: 1 on the tokens the policy chose, 0 on observation and chat-template tokens."""
+    token_versions = "token_versions"
+    """Agentic runs: the policy version that chose each token (0 off the policy's tokens)."""
 
 
 #: Columns the rollout writes for every sample (``relax.runtime.rows`` gives their layout; the
 #: plan's bus fields list the same).
 ROLLOUT_COLUMNS: tuple[Column, ...] = (Column.prompt, Column.response, Column.label, Column.input_ids,
                                        Column.rollout_logprobs, Column.lengths)
+#: Token columns the rollout writes for agentic runs (``roles.rollout.agent``), read by every role
+#: that reads tokens.
+AGENT_COLUMNS: tuple[Column, ...] = (Column.loss_mask, Column.token_versions)
 #: Columns the actor always reads.
 TRAIN_COLUMNS: tuple[Column, ...] = (Column.input_ids, Column.rollout_logprobs, Column.lengths, Column.advantages)
 #: Columns a role needs to rebuild a sample's tokens (reference, critic and actor_fwd read these).

@@ -107,6 +107,12 @@ def chat_text(processor: Any, prompt: str, refs: list[MediaRef]) -> str:
 
 def encode_sample(processor: Any, media: MediaSet, prompt: str, refs: list[MediaRef]) -> SampleInputs:
     """A sample's model inputs, built through its modality plugins and the model's processor."""
+    return encode_text(processor, media, chat_text(processor, prompt, refs), refs)
+
+
+def encode_text(processor: Any, media: MediaSet, text: str, refs: list[MediaRef]) -> SampleInputs:
+    """Rendered text with one media marker per item of ``refs`` (in order) through the model's
+    processor: the ids with the placeholders expanded, and the items' media tensors."""
     arguments: dict[str, list[Any]] = {}
     kwargs: dict[str, Any] = {}
     for ref in refs:
@@ -114,10 +120,55 @@ def encode_sample(processor: Any, media: MediaSet, prompt: str, refs: list[Media
         arguments.setdefault(plugin.processor_argument, []).append(media.load(ref).data)
         for group, values in plugin.processor_kwargs().items():
             kwargs.setdefault(group, {}).update(values)
-    out = processor(text=[chat_text(processor, prompt, refs)], return_tensors="pt", **arguments, **kwargs)
+    out = processor(text=[text], return_tensors="pt", **arguments, **kwargs)
     ids = [int(t) for t in out["input_ids"][0].tolist()]
     tensors = {k: torch.as_tensor(v) for k, v in out.items() if k not in TOKEN_KEYS}
     return SampleInputs(prompt_ids=ids, tensors=tensors)
+
+
+class ItemEncoder:
+    """The media tensors of a token sequence's media items, one item at a time (its modality's
+    marker alone through the processor), cached by checksum: what a multi-turn trajectory needs,
+    whose tokens are given and never re-rendered. ``prompt_ids`` of the result are the items'
+    expanded placeholder ids, concatenated (a caller checks the sequence has as many)."""
+
+    def __init__(self, processor: Any, media: MediaSet, capacity: int = 1024) -> None:
+        self.processor, self.media, self.capacity = processor, media, capacity
+        self._cache: OrderedDict[str, SampleInputs] = OrderedDict()
+
+    def item(self, ref: MediaRef) -> SampleInputs:
+        key = f"{ref.modality}:{ref.sha256}:{json.dumps(ref.meta, sort_keys=True)}"
+        found = self._cache.get(key)
+        if found is not None:
+            self._cache.move_to_end(key)
+            return found
+        marker = getattr(self.processor, f"{ref.modality}_token", None)
+        if not marker:
+            raise ValueError(f"the model's processor ({type(self.processor).__name__}) names no {ref.modality}_token; "
+                             f"it cannot place a {ref.modality} given as tokens")
+        sample = encode_text(self.processor, self.media, marker, [ref])
+        self._cache[key] = sample
+        if len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return sample
+
+    def __call__(self, refs: list[MediaRef]) -> SampleInputs:
+        items = [self.item(ref) for ref in refs]
+        tensors = batch_media(items) if items else {}
+        return SampleInputs(prompt_ids=[t for s in items for t in s.prompt_ids], tensors=tensors)
+
+
+def pad_token_ids(processor: Any) -> list[int]:
+    """Ids of the processor's media pad tokens (``image_token``, ``audio_token``, ``video_token``):
+    the tokens a media item expands to, one per embedding."""
+    markers = [getattr(processor, f"{m}_token", None) for m in ("image", "audio", "video")]
+    return sorted({int(processor.tokenizer.convert_tokens_to_ids(m)) for m in markers if m})
+
+
+def placeholder_count(ids: list[int], placeholders: list[int]) -> int:
+    """How many of ``ids`` are among ``placeholders``."""
+    wanted = set(placeholders)
+    return sum(1 for t in ids if t in wanted)
 
 
 def batch_media(samples: list[SampleInputs]) -> dict[str, torch.Tensor]:

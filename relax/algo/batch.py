@@ -70,6 +70,8 @@ class TrainBatch:
     the state in which token ``t`` was chosen) that the advantages were computed with, if any."""
     returns: Tensor | None = None
     """``[B, T]`` float32: the critic's value targets (e.g. GAE's ``advantages + values``), if any."""
+    token_versions: Tensor | None = None
+    """``[B, T]`` int64: agentic runs, the policy version that chose each token (0 elsewhere)."""
     media: list[str] | None = None
     """Per row, a multimodal sample's context as JSON (its prompt text and media references,
     ``relax.media``), from which a trainer rebuilds the model's media inputs; None for text runs.
@@ -104,6 +106,9 @@ class TrainBatch:
         ends = (prompt_width + lengths[:, 1]).unsqueeze(1)
         attention_mask = ((column >= starts) & (column < ends)).long()
         response_mask = ((column >= prompt_width) & (column < ends)).float()
+        loss_mask = columns.get(Column.loss_mask)
+        if loss_mask is not None:  # agentic: only the tokens the policy chose are its response
+            response_mask = response_mask * loss_mask.float().reshape(rows, width)
 
         def tokens(name: str) -> Tensor | None:
             value = columns.get(name)
@@ -119,6 +124,7 @@ class TrainBatch:
         rollout = columns.get(Column.rollout_logprobs)
         optional = {str(name): tokens(name) for name in OPTIONAL_TOKEN_COLUMNS if name in columns}
         media = columns.get(Column.media)
+        versions_column = columns.get(Column.token_versions)
         return cls(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -129,6 +135,7 @@ class TrainBatch:
             advantages=advantages,
             policy_version=torch.tensor(list(versions), dtype=torch.long),
             media=None if media is None else [str(m) for m in media],
+            token_versions=None if versions_column is None else versions_column.long().reshape(rows, width),
             **optional,
         )
 
@@ -235,7 +242,8 @@ def collate(
     for i, g in enumerate(generations):
         end = prompt_width + len(g.response_ids)
         attention_mask[i, prompt_width - len(g.prompt_ids):end] = 1
-        response_mask[i, prompt_width:end] = 1.0
+        response_mask[i, prompt_width:end] = 1.0 if g.loss_mask is None else torch.tensor(g.loss_mask,
+                                                                                           dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
     def token_rows(per_row: Sequence[Sequence[float]] | None, name: str) -> Tensor | None:
@@ -315,6 +323,20 @@ def pack_tokens(generations: Sequence[Generation], pad_token_id: int,
         rollout_logprobs[rows_, cols] = torch.tensor([p for g in generations for p in g.logprobs],
                                                      dtype=torch.float32)
     return input_ids, rollout_logprobs
+
+
+def pack_response_values(generations: Sequence[Generation], values: Sequence[Sequence[int]], width: int,
+                         dtype: torch.dtype) -> Tensor:
+    """Per-response-token values (a loss mask, token versions) in this module's ``[B, T]`` layout,
+    0 off the response: the dense form of the agentic token columns."""
+    rows = len(generations)
+    prompt_width = max(len(g.prompt_ids) for g in generations)
+    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    out = torch.zeros((rows, width), dtype=dtype)
+    if int(lengths.sum()):
+        rows_, cols = _positions(lengths, torch.full((rows,), prompt_width, dtype=torch.long))
+        out[rows_, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
+    return out
 
 
 def _positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.spec.models import FaultToleranceSpec, TracingSpec
+from relax.spec.models import AgentSpec, FaultToleranceSpec, TracingSpec
 
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -266,6 +266,9 @@ class RunSettings(PlanPart):
     tracing: TracingSpec
     bus_node_resource: str | None = None
     """``cluster.bus_node_resource``: the node resource the bus's storage is placed by."""
+    agent: AgentSpec | None = None
+    """``roles.rollout.agent``: multi-turn agentic rollouts (the environment itself is among the
+    rollout's plugins); None: one response per sample."""
 
 
 class RolloutWork(PlanPart):

@@ -32,6 +32,7 @@ from relax.roles import (
     MODEL_ROLES,
     OPTIONAL_ROLES,
     RANKED_ROLES,
+    AGENT_COLUMNS,
     ROLLOUT_COLUMNS,
     STEP_ROLES,
     TOKEN_COLUMNS,
@@ -173,6 +174,11 @@ def _media(spec: RunSpec) -> tuple[str, ...]:
     return (Column.media,) if spec.data.media_keys else ()
 
 
+def _agent(spec: RunSpec) -> tuple[str, ...]:
+    """The token columns of agentic runs: which tokens the policy chose, and with which version."""
+    return AGENT_COLUMNS if spec.roles.rollout.agent is not None else ()
+
+
 def _weights_channel(spec: RunSpec, roles: set[str]) -> str:
     """How policy weights move between the actor and a rollout: in memory in one process,
     over a weight group (``collective``), or through Ray's object store."""
@@ -205,11 +211,14 @@ class _WorkerWiring:
                                       and trait(estimator, PluginKind.advantages, "token_level"))
         if Role.rollout in roles:
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
+            agent = spec.roles.rollout.agent
+            environment = ([_use(PluginKind.environments, agent.environment, agent.environment_options)]
+                           if agent is not None and agent.environment is not None else [])
             wired[Role.rollout] = RoleWiring(
                 role=Role.rollout, task=Role.rollout,
                 plugins=[rollout_use(spec, self.threads),
-                         dataset_use(spec, self.base_dir), *media],
-                writes=[*ROLLOUT_COLUMNS, *_media(spec)], hands_to=Role.reward if scorer_on_rollout else None,
+                         dataset_use(spec, self.base_dir), *media, *environment],
+                writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
@@ -222,13 +231,14 @@ class _WorkerWiring:
         if Role.critic in roles:
             trainer = trainer_use(spec, Role.critic, self.threads)
             wired[CRITIC_VALUES] = RoleWiring(role=Role.critic, task=CRITIC_VALUES, plugins=[trainer],
-                                              reads=list(TOKEN_COLUMNS), waits_for=[RESPONSE_READY],
+                                              reads=[*TOKEN_COLUMNS, *_agent(spec)], waits_for=[RESPONSE_READY],
                                               writes=[Column.values], reports=[CRITIC_VALUES])
             wired[Role.critic] = RoleWiring(role=Role.critic, task=Role.critic,
-                                            reads=[*TOKEN_COLUMNS, Column.values, Column.returns],
+                                            reads=[*TOKEN_COLUMNS, *_agent(spec), Column.values, Column.returns],
                                             waits_for=[Column.returns], reports=[Role.critic])
         if Role.advantage in roles:
-            tokens = [Column.input_ids, Column.rollout_logprobs, Column.lengths] if advantage_tokens else []
+            tokens = ([Column.input_ids, Column.rollout_logprobs, Column.lengths, *_agent(spec)]
+                      if advantage_tokens else [])
             wired[Role.advantage] = RoleWiring(
                 role=Role.advantage, task=Role.advantage, plugins=[advantage_use(spec)],
                 reads=[Column.rewards, *tokens, *reads_of_others],
@@ -249,7 +259,7 @@ class _WorkerWiring:
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
                 plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
-                reads=[*TRAIN_COLUMNS, *optional, *_media(spec)],
+                reads=[*TRAIN_COLUMNS, *optional, *_media(spec), *_agent(spec)],
                 takes_from=Role.advantage if inline_actor else None,
                 waits_for=[] if inline_actor else [Column.advantages, *optional],
                 weights_out=outgoing, reports=[Role.actor])
@@ -269,7 +279,7 @@ class _WorkerWiring:
     def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"
         plugins = [] if shared else [trainer_use(self.spec, role, self.threads)]
-        return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec)],
+        return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec), *_agent(self.spec)],
                           waits_for=[RESPONSE_READY], writes=[column], weights_in=weights_in, reports=[role])
 
 
@@ -349,4 +359,5 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
         data=DataSettings(prompt_key=data.prompt_key, label_key=data.label_key, reward_key=data.reward_key,
                           shuffle=data.shuffle, media_dir=None if media_dir is None else str(media_dir)),
         fault_tolerance=spec.fault_tolerance.model_copy(deep=True), tracing=spec.tracing.model_copy(deep=True),
-        bus_node_resource=spec.cluster.bus_node_resource)
+        bus_node_resource=spec.cluster.bus_node_resource,
+        agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from relax.algo.batch import TrainBatch, pack_tokens
+from relax.algo.batch import TrainBatch, pack_response_values, pack_tokens
 from relax.contracts import Generation
 from relax.roles import Column
 
@@ -56,11 +56,28 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
     }
     if media is not None:
         columns[Column.media] = [str(media[g.prompt_index]) for g in gens]
+    if any(g.loss_mask is not None for g in gens):  # agentic trajectories
+        columns.update(agent_columns(gens, ragged, input_ids))
     return columns
 
 
+def agent_columns(gens: Sequence[Generation], ragged: bool, input_ids: Any) -> dict[Column, Any]:
+    """The agentic token columns, in the layout of ``input_ids``: the loss mask (1 on the tokens
+    the policy chose) and each token's policy version."""
+    masks = [g.loss_mask if g.loss_mask is not None else [1] * len(g.response_ids) for g in gens]
+    versions = [g.token_versions if g.token_versions is not None else [0] * len(g.response_ids) for g in gens]
+    if ragged:
+        return {Column.loss_mask: [torch.tensor([0] * len(g.prompt_ids) + list(m), dtype=torch.int8)
+                                   for g, m in zip(gens, masks)],
+                Column.token_versions: [torch.tensor([0] * len(g.prompt_ids) + list(v), dtype=torch.int32)
+                                        for g, v in zip(gens, versions)]}
+    width = input_ids.shape[1]
+    return {Column.loss_mask: pack_response_values(gens, masks, width, torch.int8),
+            Column.token_versions: pack_response_values(gens, versions, width, torch.int32)}
+
+
 #: Token columns the rollout writes ragged when a step comes in several units.
-RAGGED_COLUMNS = (Column.input_ids, Column.rollout_logprobs)
+RAGGED_COLUMNS = (Column.input_ids, Column.rollout_logprobs, Column.loss_mask, Column.token_versions)
 
 
 def restack(batch: Any, keep_ragged: bool) -> Any:

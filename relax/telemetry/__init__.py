@@ -7,6 +7,8 @@ Imported by the runtime only (never by ``relax.spec``, ``relax.config`` or ``rel
 
 from relax.telemetry.conventions import (
     ADVANTAGE_COMPUTE,
+    AGENT_TOOL_CALL,
+    AGENT_TURN,
     CHECKPOINT,
     FAULT,
     REWARD_SCORE,
@@ -24,6 +26,8 @@ from relax.telemetry.tracing import NULL_SPAN, OtlpUnavailable, RoleSpan, Teleme
 
 __all__ = [
     "ADVANTAGE_COMPUTE",
+    "AGENT_TOOL_CALL",
+    "AGENT_TURN",
     "CHECKPOINT",
     "FAULT",
     "NULL_SPAN",

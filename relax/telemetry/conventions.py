@@ -6,6 +6,8 @@ Span tree of one run (one trace)::
     relax.run                                   driver, whole run
     ├── relax.step  (step t)                    emitted by the controller, id derived from (trace, t)
     │   ├── relax.rollout.batch                 rollout worker: generating step t's samples
+    │   │   └── relax.agent.turn                agentic runs: one model turn of one trajectory
+    │   │       └── relax.agent.tool_call       the environment answering that turn
     │   ├── relax.weight_sync                   rollout loading / actor publishing weights
     │   ├── relax.reward.score                  reward worker
     │   ├── relax.advantage.compute             advantage worker
@@ -37,6 +39,11 @@ WEIGHT_SYNC: Final = "relax.weight_sync"
 """Publishing (actor) or loading (rollout) a policy version."""
 CHECKPOINT: Final = "relax.checkpoint"
 """Writing a checkpoint."""
+AGENT_TURN: Final = "relax.agent.turn"
+"""One model turn of an agentic trajectory (``relax.trajectory``, ``relax.turn``), from its
+request to its tokens; nested in the rollout batch."""
+AGENT_TOOL_CALL: Final = "relax.agent.tool_call"
+"""An environment call of an agentic trajectory (its tool calls after a turn, or ``start``)."""
 FAULT: Final = "relax.fault"
 """A failure the controller handled (in the driver): which worker, why, and what it did
 (``relax.action``: restart, resume, stop; ``relax.regenerated`` samples leased again)."""
@@ -46,6 +53,8 @@ SCALE: Final = "relax.scale"
 #: The role each work span belongs to (``relax.weight_sync`` takes the caller's role).
 ROLE_OF_SPAN: Final[dict[str, str]] = {
     ROLLOUT_BATCH: "rollout",
+    AGENT_TURN: "rollout",
+    AGENT_TOOL_CALL: "rollout",
     REWARD_SCORE: "reward",
     ADVANTAGE_COMPUTE: "advantage",
     TRAIN_STEP: "actor",

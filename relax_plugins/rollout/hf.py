@@ -57,6 +57,8 @@ class HFRollout:
         """The run's modality plugins (None for text runs): media come as references and are
         decoded here through the same plugins and processor as in the trainer."""
         self.encoder: Any = None
+        self._items: Any = None
+        """Media tensors per reference for token prompts (``generate_tokens``), built on first use."""
         self.suppressed: list[int] = []
         if self.media is not None:
             from relax_plugins.processing import SampleEncoder, load_processor
@@ -133,6 +135,55 @@ class HFRollout:
                     extra = {k: v.to(self.device) for k, v in batch_media([samples[i] for i, _ in chunk]).items()}
                 out += self._generate_rows(chunk, sampling, extra)
         return out
+
+    def generate_tokens(self, prompts: list[Any], sampling: Any, seed: int) -> list[Generation]:
+        """One response to each ``relax.contracts.TokenPrompt`` (a multi-turn trajectory's tokens so
+        far, used as given: never re-tokenized or cut), in order, each within its own budget.
+
+        One ``generate`` call at the largest budget; a response is then cut to its own budget (a
+        prefix of a sample is a sample with the same log-probs). The media of each prompt are
+        rebuilt from their references item by item (``processing.ItemEncoder``), as the trainer does."""
+        import torch
+
+        if not prompts:
+            return []
+        extra: dict[str, Any] = {}
+        if any(p.media for p in prompts):
+            if self.encoder is None:
+                raise ValueError("a prompt carries media but the spec has no data.media_keys; list the media "
+                                 "columns there so the rollout builds its modality plugins and processor")
+            from relax_plugins.processing import ItemEncoder, batch_media
+
+            if self._items is None:
+                self._items = ItemEncoder(self.encoder.processor, self.media)
+            extra = {k: v.to(self.device) for k, v in batch_media([self._items(p.media) for p in prompts]).items()}
+        budgets = [int(p.max_new_tokens or sampling.max_new_tokens) for p in prompts]
+        widest = sampling.model_copy(update={"max_new_tokens": max(budgets)})
+        rows = [(index, list(p.ids)) for index, p in enumerate(prompts)]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
+            out = self._generate_rows(rows, widest, extra)
+        return [self._cut(g, budget) for g, budget in zip(out, budgets)]
+
+    def _cut(self, generation: Generation, budget: int) -> Generation:
+        if len(generation.response_ids) <= budget:
+            return generation
+        response = generation.response_ids[:budget]
+        return Generation(prompt_index=generation.prompt_index, prompt_ids=generation.prompt_ids,
+                          response_ids=response, logprobs=generation.logprobs[:budget],
+                          text=self.tokenizer.decode(response, skip_special_tokens=True), finished=False)
+
+    def encode_text(self, text: str, refs: list[Any]) -> list[int]:
+        """Rendered chat text with one media marker per reference, as the model reads it: ids with the
+        placeholders expanded by the model's processor (agentic rollouts' media observations)."""
+        if self.encoder is None:
+            raise ValueError("text with media needs the model's processor; list the media columns under "
+                             "data.media_keys")
+        from relax_plugins.processing import encode_text
+
+        return encode_text(self.encoder.processor, self.media, text, list(refs)).prompt_ids
 
     def _generation_config(self, sampling: Any) -> Any:
         from transformers import GenerationConfig

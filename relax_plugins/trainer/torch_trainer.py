@@ -56,6 +56,8 @@ class TorchTrainer:
         """The run's modality plugins (None for text runs): each row's media are rebuilt from their
         references through the same plugins and processor the rollout used."""
         self.encoder: Any = None
+        self._items: Any = None
+        """Media tensors per reference, for agentic trajectories (built on first use)."""
         self.masked: list[int] = []
         if self.media is not None:
             if self.is_critic:
@@ -124,10 +126,28 @@ class TorchTrainer:
         if batch.media is None:
             raise ValueError("a multimodal run's batch has no media contexts; the 'media' column did not reach "
                              "the trainer (read it with the batch: relax.runtime.rows.token_columns)")
+        from relax.media import context_gives_tokens
+        from relax_plugins.processing import ItemEncoder, pad_token_ids, placeholder_count
+
         samples = []
         prompt_part = batch.attention_mask.bool() & ~batch.response_mask.bool()
         for i, context in enumerate(batch.media):
             prompt, refs = loads_context(context)
+            if context_gives_tokens(context):
+                # An agentic trajectory: its tokens are final; rebuild each media item's tensors and
+                # check the row holds exactly the placeholders they expand to.
+                if self._items is None:
+                    self._items = ItemEncoder(self.processor, self.media)
+                sample = self._items(refs)
+                pads = pad_token_ids(self.processor)
+                row = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
+                held, expected = placeholder_count(row, pads), placeholder_count(sample.prompt_ids, pads)
+                if held != expected:
+                    raise RuntimeError(f"row {i}: the trajectory's tokens hold {held} media placeholders but its "
+                                       f"{len(refs)} media items expand to {expected}; the rollout and the trainer "
+                                       "must use the same processor and media options")
+                samples.append(sample)
+                continue
             sample = self.encoder(prompt, refs)
             given = batch.input_ids[i][prompt_part[i]].tolist()
             if given != sample.prompt_ids:

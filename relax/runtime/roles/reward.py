@@ -66,6 +66,9 @@ class RewardLoop:
             per_reward = report.stats()
             span.set(**{"relax.reward." + k.replace("/", "."): v for k, v in per_reward.items()})
         total = torch.tensor(report.totals, dtype=torch.float32)
+        agent = self.env.settings.agent
+        if agent is not None:  # trajectories: the agent program's own reward, plus the turn rewards
+            total = agent_rewards(total, [s.metadata.get("agent") for s in samples], agent.turn_reward_weight)
         self._stats[step] = {"reward_s": time.perf_counter() - started, "bus_s": 0.0,
                              "reward_mean": float(total.mean()), "rewards": per_reward}
         return total
@@ -87,3 +90,16 @@ class RewardLoop:
             self.env.bus.write_fields(batch, {Column.rewards: total})
             self.env.announce(step, Column.rewards)
 
+
+
+def agent_rewards(scores: torch.Tensor, summaries: list[dict[str, Any] | None], turn_weight: float) -> torch.Tensor:
+    """Trajectory rewards: the reward plugins' score, replaced by the agent program's reward when it
+    gave one (the gateway), plus ``turn_weight`` times the environment's turn rewards."""
+    out = scores.clone()
+    for i, summary in enumerate(summaries):
+        if not summary:
+            continue
+        if summary.get("reward") is not None:
+            out[i] = float(summary["reward"])
+        out[i] += turn_weight * float(summary.get("turn_reward", 0.0))
+    return out

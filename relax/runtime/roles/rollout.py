@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +33,7 @@ from relax.runtime.weight_channels import WeightChannel, WeightPull
 from relax.telemetry import ROLLOUT_BATCH, WEIGHT_SYNC
 
 if TYPE_CHECKING:
+    from relax.runtime.agent import AgentSampler
     from relax.runtime.roles.actor import ActorLoop
     from relax.runtime.roles.advantage import AdvantageLoop
     from relax.runtime.roles.reward import RewardLoop
@@ -70,6 +71,14 @@ class RolloutLoop:
         """One replica makes every step whole: its acknowledgements need no answer (nothing can
         revoke its lease, and its one unit's stats are the step's). A worker that dies before its
         acknowledgement lands has its unit generated again, as if it died before sending it."""
+        self.agent: AgentSampler | None = None
+        """Multi-turn trajectories instead of single responses (``roles.rollout.agent``)."""
+        if settings.agent is not None:
+            from relax.runtime.agent import AgentSampler
+
+            self.agent = AgentSampler(settings.agent, wiring, self.backend, self.media, env.telemetry,
+                                      self.context.sampling.max_new_tokens, self.context.max_prompt_tokens,
+                                      self.dataset)
         self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
@@ -135,6 +144,8 @@ class RolloutLoop:
                                       self.pad_token_id,
                                       [r["media"] for r in batch.rows] if self.media is not None else None,
                                       ragged=self.ragged)
+            if batch.contexts is not None:  # agentic: every media item of each trajectory, in token order
+                columns[Column.media] = batch.contexts
             ready = [Column.response]
             if self.scorer is not None:  # score (and estimate) before the one put of the step
                 columns[Column.rewards] = (batch.rewards if batch.rewards is not None
@@ -151,7 +162,7 @@ class RolloutLoop:
             skipped, self.media.skipped = {"skipped_samples": self.media.skipped}, 0
         stats = {"admission_wait_s": t1 - t0, "weight_load_s": t2 - t1, "rollout_s": rollout_s,
                  "response_tokens": batch.tokens, "policy_version": held,
-                 "order": batch.order, "holder": env.holder, **sampling, **skipped}
+                 "order": batch.order, "holder": env.holder, **sampling, **skipped, **batch.agent}
         if self.learner is not None:  # colocate: the actor beside it takes the rows, and the ack is not awaited
             self.learner.hand(step, columns, batch.meta)
             stats["bus_s"] = time.perf_counter() - t3
@@ -193,21 +204,32 @@ class RolloutLoop:
         rows = prompt_rows(self.dataset, indices, data.prompt_key, data.label_key, data.reward_key,
                            self.media)
         started = time.perf_counter()
-        media = {}
-        if self.media is not None:  # each prompt's media references (never the decoded media)
-            media = {"media": [loads_context(r["media"])[1] for r in rows]}
-        gens: list[Generation] = self.backend.generate([r["prompt"] for r in rows], n, self.context.sampling,
-                                                       sampling_seed(settings.seed, step) + round_ * 104_729
-                                                       + unit["unit"] * 7_919, **media)
-        generate_s = time.perf_counter() - started
+        seed = sampling_seed(settings.seed, step) + round_ * 104_729 + unit["unit"] * 7_919
         tag = f"{step}" if round_ == 0 else f"{step}r{round_}"
-        meta = [{"policy_version": self.backend.version, "sample_id": f"{tag}:{unit['start'] + g.prompt_index}:{i % n}",
+        extra: list[dict[str, Any]] | None = None
+        contexts: list[str] | None = None
+        agent_stats: dict[str, float] = {}
+        if self.agent is not None:
+            gens, agent_meta, contexts, done = self.agent.sample(rows, n, self.context.sampling, seed, tag, unit["start"])
+            extra = [{"agent": m} for m in agent_meta]
+            agent_stats = done.stats
+        else:
+            media = {}
+            if self.media is not None:  # each prompt's media references (never the decoded media)
+                media = {"media": [loads_context(r["media"])[1] for r in rows]}
+            gens = self.backend.generate([r["prompt"] for r in rows], n, self.context.sampling, seed, **media)
+        generate_s = time.perf_counter() - started
+        versions = [min((v for v in g.token_versions if v), default=self.backend.version)
+                    if g.token_versions else self.backend.version for g in gens]
+        meta = [{"policy_version": versions[i], "sample_id": f"{tag}:{unit['start'] + g.prompt_index}:{i % n}",
                  "index": rows[g.prompt_index]["index"],
                  "group": unit["start"] + g.prompt_index, "sample": i % n, "unit": unit["unit"],
                  "attempt": unit["attempt"], "trace": carrier, "response_tokens": len(g.response_ids),
-                 **({"reward_route": rows[g.prompt_index]["route"]} if "route" in rows[g.prompt_index] else {})}
+                 **({"reward_route": rows[g.prompt_index]["route"]} if "route" in rows[g.prompt_index] else {}),
+                 **(extra[i] if extra is not None else {})}
                 for i, g in enumerate(gens)]
-        return SampledBatch(rows=rows, gens=gens, meta=meta, order=list(indices), generate_s=generate_s)
+        return SampledBatch(rows=rows, gens=gens, meta=meta, order=list(indices), generate_s=generate_s,
+                            contexts=contexts, agent=agent_stats)
 
     def _refill(self, step: int, first: SampledBatch, carrier: dict[str, str],
                 unit: dict[str, Any]) -> tuple[SampledBatch, dict[str, Any]]:
@@ -256,10 +278,20 @@ def merge_unit_stats(units: list[dict[str, Any]]) -> dict[str, Any]:
     merged.update(policy_version=min(u["policy_version"] for u in units),
                   data_order=hashlib.sha1(repr(order).encode()).hexdigest()[:12],
                   units=len(units), replicas=len({u["holder"] for u in units}))
-    for key in ("sampling_rounds", "sampling_filter_rate", "sampling_topped_up", "skipped_samples"):
+    for key in ("sampling_rounds", "sampling_filter_rate", "sampling_topped_up", "skipped_samples",
+                *AGENT_TOTALS):
         if any(key in u for u in units):
             merged[key] = sum(u.get(key, 0) for u in units)
+    for key in AGENT_MEANS:  # per trajectory: the units' means, weighted by their samples
+        if any(key in u for u in units):
+            weights = [u.get("agent_trajectories", 1) for u in units]
+            merged[key] = sum(u.get(key, 0.0) * w for u, w in zip(units, weights)) / max(sum(weights), 1)
     return merged
+
+
+#: Agentic unit stats that add up over a step's units, and those that are means per trajectory.
+AGENT_TOTALS = ("agent_tool_errors", "agent_env_s", "agent_trajectories", "agent_generate_calls")
+AGENT_MEANS = ("agent_turns", "agent_tool_calls", "agent_truncated")
 
 
 @dataclass
@@ -274,6 +306,10 @@ class SampledBatch:
     generate_s: float
     rewards: torch.Tensor | None = None
     """The weighted rewards of ``gens``, once scored."""
+    contexts: list[str] | None = None
+    """Agentic multimodal runs: each trajectory's media context (all its media, in token order)."""
+    agent: dict[str, float] = field(default_factory=dict)
+    """Agentic runs: the unit's trajectory stats (``relax.agents.runner.run_trajectories``)."""
 
     @property
     def tokens(self) -> int:
@@ -282,7 +318,7 @@ class SampledBatch:
     @classmethod
     def merge(cls, groups: list[tuple[SampledBatch, int]], generate_s: float) -> SampledBatch:
         """One batch of the chosen groups (a source batch and a prompt index each), renumbered."""
-        rows, gens, meta, rewards = [], [], [], []
+        rows, gens, meta, rewards, contexts = [], [], [], [], []
         for new_index, (source, group) in enumerate(groups):
             rows.append(source.rows[group])
             for i, g in enumerate(source.gens):
@@ -290,6 +326,9 @@ class SampledBatch:
                     gens.append(replace(g, prompt_index=new_index))
                     meta.append({**source.meta[i], "group": new_index})
                     rewards.append(source.rewards[i])
+                    if source.contexts is not None:
+                        contexts.append(source.contexts[i])
+        agent = groups[0][0].agent if groups else {}
         return cls(rows=rows, gens=gens, meta=meta, order=[r["index"] for r in rows], generate_s=generate_s,
-                   rewards=torch.stack(rewards))
+                   rewards=torch.stack(rewards), contexts=contexts or None, agent=agent)
 

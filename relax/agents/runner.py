@@ -1,0 +1,304 @@
+"""Running a unit's trajectories side by side, batching the model calls of those that wait for it.
+
+Every trajectory advances on its own thread (a driver: an environment, or an agent program behind
+the gateway). When it needs the model it hands its tokens to the ``GenerationBatcher`` and blocks;
+the rollout's own thread serves the batcher: it waits until every live trajectory is either waiting
+for the model or inside an environment call (or a few milliseconds have passed since the first
+request), and makes one ``generate_tokens`` call for all the requests at hand. A slow tool thus
+holds only its own trajectory: the others keep being batched while it runs.
+
+A backend failure is not a trajectory's: every waiting trajectory is stopped and the failure is
+raised on the rollout's thread (the unit is then generated again, as for any rollout failure).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from relax.agents.calls import EnvironmentCalls, EnvironmentFailure
+from relax.agents.chat import ChatTokens
+from relax.agents.tool_calls import error_observation, parse_tool_calls
+from relax.agents.trajectory import Trajectory
+from relax.contracts import AgentTask, Generation, Observation, TokenPrompt, Turn
+from relax.media import MediaRef, MediaSet
+from relax.telemetry import AGENT_TOOL_CALL, AGENT_TURN
+
+#: How long the batcher waits for more requests once one is waiting, when some trajectories are
+#: neither waiting for the model nor in an environment call (they are rendering a message, or an
+#: agent program is thinking).
+LINGER_S = 0.005
+
+
+class BackendFailure(RuntimeError):
+    """The rollout backend failed while trajectories waited for it (not a trajectory's failure)."""
+
+
+class GenerationBatcher:
+    """Collects the model requests of live trajectories and serves them in batches."""
+
+    def __init__(self, generate: Callable[[list[TokenPrompt], int], list[Generation]], seed: int,
+                 linger_s: float = LINGER_S) -> None:
+        self._generate, self._seed, self._linger = generate, seed, linger_s
+        self._cv = threading.Condition()
+        self._pending: list[tuple[TokenPrompt, Future]] = []
+        self._live = 0
+        self._outside = 0
+        self._failure: BaseException | None = None
+        self.calls = 0
+        self.requests = 0
+
+    # -- trajectory side ------------------------------------------------------------------------
+
+    def request(self, prompt: TokenPrompt) -> Generation:
+        """The model's next turn for ``prompt`` (blocks until the batch it joins is generated)."""
+        future: Future = Future()
+        with self._cv:
+            if self._failure is not None:
+                raise BackendFailure(str(self._failure)) from self._failure
+            self._pending.append((prompt, future))
+            self._cv.notify_all()
+        return future.result()
+
+    def joined(self) -> None:
+        with self._cv:
+            self._live += 1
+
+    def left(self) -> None:
+        with self._cv:
+            self._live -= 1
+            self._cv.notify_all()
+
+    def outside(self, delta: int) -> None:
+        """A trajectory enters (+1) or leaves (-1) an environment call: it will not ask soon."""
+        with self._cv:
+            self._outside += delta
+            self._cv.notify_all()
+
+    # -- the generating thread -------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Generate batches until no trajectory is live; raise the backend's failure, if any."""
+        while True:
+            with self._cv:
+                while not self._pending and self._live > 0:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                first = time.monotonic()
+                while len(self._pending) + self._outside < self._live:
+                    left = self._linger - (time.monotonic() - first)
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch, self._pending = self._pending, []
+            try:
+                generations = self._generate([p for p, _ in batch], self._seed + self.calls * 7_919)
+                if len(generations) != len(batch):
+                    raise RuntimeError(f"generate_tokens returned {len(generations)} generations for "
+                                       f"{len(batch)} prompts; a backend returns one per prompt, in order")
+            except BaseException as exc:
+                with self._cv:
+                    self._failure = exc
+                    stranded, self._pending = self._pending, []
+                for _, future in batch + stranded:
+                    future.set_exception(BackendFailure(f"the rollout backend failed: {type(exc).__name__}: {exc}"))
+                raise
+            self.calls += 1
+            self.requests += len(batch)
+            for (_, future), generation in zip(batch, generations):
+                future.set_result(generation)
+
+
+@dataclass
+class AgentLimits:
+    """The parts of ``roles.rollout.agent`` a driver needs (plain data, no spec)."""
+
+    max_turns: int
+    max_tokens: int
+    max_new_tokens: int
+    tool_timeout_s: float
+    concurrency: int
+    tool_call_format: str = "hermes"
+    truncated: str = "score"
+
+
+class Driver(Protocol):
+    """What runs one trajectory: an environment, or an agent program behind the gateway."""
+
+    def episode(self, task: AgentTask, batcher: GenerationBatcher) -> Trajectory: ...
+
+
+@dataclass
+class AgentBatch:
+    """The trajectories of a unit, in task order, and how the unit went."""
+
+    trajectories: list[Trajectory]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def run_trajectories(tasks: list[AgentTask], driver: Driver, generate: Callable[[list[TokenPrompt], int], list[Generation]],
+                     seed: int) -> AgentBatch:
+    """Run every task's trajectory on its own thread, serving their model calls in batches on this
+    one. A trajectory's own failure is recorded on it; a backend failure is raised."""
+    batcher = GenerationBatcher(generate, seed)
+    results: list[Trajectory | BaseException | None] = [None] * len(tasks)
+
+    def run(i: int, task: AgentTask) -> None:
+        try:
+            results[i] = driver.episode(task, batcher)
+        except BaseException as exc:  # a driver bug or a backend failure: raised below, on this thread
+            results[i] = exc
+        finally:
+            batcher.left()
+
+    threads = []
+    started = time.perf_counter()
+    for i, task in enumerate(tasks):
+        batcher.joined()
+        context = contextvars.copy_context()  # spans of the trajectory nest in the rollout batch's span
+        thread = threading.Thread(target=context.run, args=(run, i, task), name=f"trajectory-{task.trajectory_id}",
+                                  daemon=True)
+        threads.append(thread)
+        thread.start()
+    batcher.serve()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        first = next((f for f in failures if isinstance(f, BackendFailure)), failures[0])
+        raise first
+    trajectories = [r for r in results if isinstance(r, Trajectory)]
+    count = max(len(trajectories), 1)
+    stats = {"agent_turns": sum(len(t.turns) for t in trajectories) / count,
+             "agent_tool_calls": sum(t.tool_calls for t in trajectories) / count,
+             "agent_tool_errors": float(sum(t.tool_errors + (t.error is not None) for t in trajectories)),
+             "agent_env_s": sum(t.env_s for t in trajectories),
+             "agent_truncated": sum(t.truncated for t in trajectories) / count,
+             "agent_trajectories": float(len(trajectories)), "agent_generate_calls": float(batcher.calls),
+             "agent_wall_s": wall}
+    return AgentBatch(trajectories=trajectories, stats=stats)
+
+
+class EnvironmentDriver:
+    """Runs a trajectory against a ``relax.environments`` plugin: the prompt, then model turns and
+    observations until the environment says done, a budget is spent, or the environment fails."""
+
+    def __init__(self, environment: Any, name: str, chat: ChatTokens, limits: AgentLimits,
+                 version: Callable[[], int], media: MediaSet | None = None, telemetry: Any = None,
+                 prompt_media: Callable[[AgentTask], list[MediaRef]] | None = None) -> None:
+        self.environment, self.name, self.chat, self.limits = environment, name, chat, limits
+        self.version, self.media, self.telemetry = version, media, telemetry
+        self.tools = list(environment.tools())
+        self.calls = EnvironmentCalls(name, limits.tool_timeout_s, limits.concurrency)
+        self.prompt_media = prompt_media
+        tokenizer = chat.tokenizer
+        self._stop_text = lambda token: tokenizer.decode([token], skip_special_tokens=False)
+
+    def _span(self, name: str, **attributes: Any) -> Any:
+        if self.telemetry is None:
+            return _NoSpan()
+        return self.telemetry.span(name, **attributes)
+
+    def episode(self, task: AgentTask, batcher: GenerationBatcher) -> Trajectory:
+        limits = self.limits
+        rendered = self.chat.prompt(task.prompt, self.prompt_media(task) if self.prompt_media else None)
+        traj = Trajectory(prompt_ids=rendered.ids, prompt_media=rendered.media)
+        try:
+            state = self._call(traj, batcher, "start", self.environment.start, task, turn=None)
+            for index in range(limits.max_turns):
+                budget = min(limits.max_new_tokens, limits.max_tokens - len(traj.response_ids))
+                if budget <= 0:
+                    traj.truncated = True
+                    break
+                with self._span(AGENT_TURN, trajectory=task.trajectory_id, turn=index) as span:
+                    generation = batcher.request(TokenPrompt(traj.ids, traj.all_media, budget))
+                    version = self.version()
+                    span.set(tokens=len(generation.response_ids), policy_version=version)
+                traj.add_model(generation.response_ids, generation.logprobs, version)
+                traj.final_text = generation.text
+                parsed = parse_tool_calls(generation.text, self.tools, limits.tool_call_format)
+                traj.tool_calls += parsed.attempted
+                traj.tool_errors += len(parsed.errors)
+                if not generation.finished:  # cut at its budget: a turn the model never ended is not answered
+                    traj.truncated = True
+                    break
+                if parsed.errors:
+                    observation = Observation(error_observation(parsed.errors), info={"tool_errors": len(parsed.errors)})
+                else:
+                    turn = Turn(index=index, text=generation.text, tool_calls=parsed.calls, finished=True)
+                    observation = self._call(traj, batcher, "step", self.environment.step, state, turn, turn=index)
+                    if not isinstance(observation, Observation):
+                        raise EnvironmentFailure(f"environment {self.name!r}: step returned {type(observation).__name__}, "
+                                                 "not a relax.contracts.Observation")
+                    traj.tool_errors += int(observation.info.get("tool_errors", 0))
+                    if observation.reward is not None:
+                        traj.turn_reward += float(observation.reward)
+                    if observation.done:
+                        break
+                if index == limits.max_turns - 1:
+                    traj.truncated = True  # the model would go on, but its turns are spent
+                    break
+                refs = self._observation_refs(observation, task)
+                stop = self._stop_text(generation.response_ids[-1])
+                following = self.chat.message(observation, refs, stop)
+                if len(traj.response_ids) + len(following.ids) >= limits.max_tokens:
+                    traj.truncated = True
+                    break
+                traj.add_context(following.ids, following.media)
+        except EnvironmentFailure as exc:
+            traj.error = str(exc)
+        return traj
+
+    def _call(self, traj: Trajectory, batcher: GenerationBatcher, hook: str, fn: Callable[..., Any], *args: Any,
+              turn: int | None) -> Any:
+        """An environment call under the tool timeout, in a span; the batcher does not wait for
+        this trajectory meanwhile."""
+        with self._span(AGENT_TOOL_CALL, hook=hook, turn=-1 if turn is None else turn, environment=self.name):
+            batcher.outside(+1)
+            try:
+                result, seconds = self.calls.call(hook, fn, *args)
+            finally:
+                batcher.outside(-1)
+        traj.env_s += seconds
+        return result
+
+    def _observation_refs(self, observation: Observation, task: AgentTask) -> list[MediaRef]:
+        """References to an observation's media items, written once under the run's media folder
+        like the data's inline media. An item the run has no modality plugin for is an error of
+        the trajectory (never dropped: the model would be trained on a turn it could not see)."""
+        if not isinstance(observation.content, list):
+            return []
+        refs = []
+        for item in observation.content:
+            kind = item.get("type")
+            if kind == "text":
+                continue
+            if self.media is None or kind not in self.media.plugins:
+                raise EnvironmentFailure(f"environment {self.name!r} returned a {kind!r} item, but the run has no "
+                                         f"{kind} modality; add it to model.modalities and data.media_keys so the "
+                                         "rollout and the trainer can read it")
+            value = item.get(kind, item.get("path"))
+            try:
+                refs.append(self.media.reference(self.media.plugins[kind], kind, "observation", value))
+            except Exception as exc:
+                raise EnvironmentFailure(f"environment {self.name!r} returned a {kind} the {kind} modality "
+                                         f"cannot read: {exc}") from exc
+        return refs
+
+
+class _NoSpan:
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def set(self, **_: Any) -> None:
+        return None
