@@ -279,7 +279,7 @@ class OptimizerSpec(Section):
 class GatewaySpec(Section):
     """The OpenAI-compatible endpoint an agent program drives the policy through (docs/agents.md)."""
 
-    program: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    program: str
     """The agent program, as ``package.module:function``: called once per trajectory with the task
     (``relax.contracts.AgentTask``), the endpoint's base URL and the trajectory's API key; it talks to
     the policy with any OpenAI client and returns its reward (a float) or None (the reward plugins
@@ -288,6 +288,15 @@ class GatewaySpec(Section):
     """Address the endpoint listens on; loopback by default (set 0.0.0.0 only inside a trusted network)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the endpoint; 0 picks a free one."""
+
+    @field_validator("program")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            raise ValueError(f"{value!r} is not an import path; write it as package.module:function")
+        return value
 
 
 class AgentSpec(Section):
@@ -359,6 +368,9 @@ class RolloutRole(Section):
     engine's workers (NCCL on GPUs, gloo on CPU), pulled by each replica when it needs a newer
     version. auto: collective where the rollout backend can receive collectively and the actor and
     the rollout are on GPUs, object_store otherwise."""
+    agent: AgentSpec | None = None
+    """Multi-turn agentic rollouts with an environment or an agent program (docs/agents.md); null:
+    one response per sample."""
 
     @property
     def gpus(self) -> int:

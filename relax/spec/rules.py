@@ -116,6 +116,9 @@ def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any]
         yield PluginKind.losses, loss, spec.algorithm.loss_options, "algorithm"
     for modality in spec.data.media_keys:
         yield PluginKind.modalities, modality, spec.data.media_options.get(modality, {}), f"data.media_options.{modality}"
+    agent = spec.roles.rollout.agent
+    if agent is not None and agent.environment is not None:
+        yield PluginKind.environments, agent.environment, agent.environment_options, "roles.rollout.agent"
 
 
 def _name_path(kind: PluginKind, path: str) -> str:
@@ -127,6 +130,7 @@ def _name_path(kind: PluginKind, path: str) -> str:
         PluginKind.advantages: "advantage",
         PluginKind.losses: "loss",
         PluginKind.modalities: "",
+        PluginKind.environments: "environment",
     }[kind]
     return f"{path}.{suffix}" if suffix else path
 
@@ -138,6 +142,8 @@ def _options_path(kind: PluginKind, path: str) -> str:
         return f"{path}.loss_options"
     if kind is PluginKind.modalities:
         return path
+    if kind is PluginKind.environments:
+        return f"{path}.environment_options"
     return f"{path}.options"
 
 
@@ -593,6 +599,48 @@ def check_weight_sync(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         "use auto or object_store, or a backend that can (hf, vllm)")
 
 
+def generates_from_tokens(backend: type | None) -> bool:
+    """Whether a rollout backend class can continue a multi-turn trajectory from its token ids
+    (``generate_tokens(prompts, sampling, seed)``); read from the class, importing no engine."""
+    return backend is not None and callable(getattr(backend, "generate_tokens", None))
+
+
+@rule("roles", "data", "model")
+def check_agent(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Agentic rollouts need a backend that generates from token ids, budgets that fit, media the
+    environment may return that the run can read, and an agent program that can be found."""
+    rollout = spec.roles.rollout
+    agent = rollout.agent
+    if agent is None:
+        return
+    backend = ctx.plugin(PluginKind.rollout, rollout.backend)
+    if backend is not None and not generates_from_tokens(backend):
+        yield SpecIssue("roles.rollout.backend", f"rollout backend '{rollout.backend}' cannot continue a trajectory "
+                        "from its token ids (it has no generate_tokens), which agentic rollouts need",
+                        "use hf or vllm, or remove roles.rollout.agent")
+    per_turn = agent.max_new_tokens or rollout.sampling.max_new_tokens
+    if per_turn > agent.max_tokens:
+        where = "max_new_tokens" if agent.max_new_tokens else "max_tokens"
+        yield SpecIssue(f"roles.rollout.agent.{where}", f"a turn may take {per_turn} tokens but a whole trajectory "
+                        f"only {agent.max_tokens}", "raise roles.rollout.agent.max_tokens above the per-turn budget")
+    if agent.environment is not None:
+        cls = ctx.plugin(PluginKind.environments, agent.environment)
+        if cls is not None:
+            wanted = trait(cls, PluginKind.environments, "observation_modalities")
+            missing = sorted(set(wanted) - set(spec.data.media_keys))
+            if missing:
+                yield SpecIssue("data.media_keys", f"environment '{agent.environment}' returns {', '.join(missing)} "
+                                "in its observations, but the run has no modality plugin for it",
+                                f"add {', '.join(missing)} to data.media_keys and model.modalities (and use a "
+                                "backend that reads them)")
+    if agent.gateway is not None:
+        module = agent.gateway.program.split(":")[0]
+        top = module.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            yield SpecIssue("roles.rollout.agent.gateway.program", f"no module named '{top}' can be imported here",
+                            "install the package of the agent program, or run from the folder that holds it")
+
+
 #: Rows of a data file whose columns validation reads (enough to catch a misnamed column).
 DATA_ROWS_CHECKED = 20
 
@@ -820,6 +868,7 @@ RULES: tuple[Rule, ...] = (
     check_rewards,
     check_rollout_scaling,
     check_weight_sync,
+    check_agent,
     check_fault_tolerance,
     check_tracing,
 )
