@@ -29,10 +29,14 @@ from relax.contracts import AgentTask, Generation, Observation, TokenPrompt, Tur
 from relax.media import MediaRef, MediaSet
 from relax.telemetry import AGENT_TOOL_CALL, AGENT_TURN
 
-#: How long the batcher waits for more requests once one is waiting, when some trajectories are
-#: neither waiting for the model nor in an environment call (they are rendering a message, or an
-#: agent program is thinking).
-LINGER_S = 0.005
+#: The longest the batcher waits for more requests once one is waiting, while some trajectories are
+#: neither waiting for the model nor outside (in an environment call, or an agent program between
+#: its calls): they are rendering a message, which takes about a millisecond. A safety bound only:
+#: the batch normally goes as soon as every live trajectory is waiting or outside.
+LINGER_S = 0.05
+#: How long a batch waits for trajectories in an environment call to come back before it goes
+#: without them (a quick tool rejoins the batch; a slow one holds only its own trajectory).
+SETTLE_S = 0.01
 
 
 class BackendFailure(RuntimeError):
@@ -43,8 +47,8 @@ class GenerationBatcher:
     """Collects the model requests of live trajectories and serves them in batches."""
 
     def __init__(self, generate: Callable[[list[TokenPrompt], int], list[Generation]], seed: int,
-                 linger_s: float = LINGER_S) -> None:
-        self._generate, self._seed, self._linger = generate, seed, linger_s
+                 linger_s: float = LINGER_S, settle_s: float = SETTLE_S) -> None:
+        self._generate, self._seed, self._linger, self._settle = generate, seed, linger_s, settle_s
         self._cv = threading.Condition()
         self._pending: list[tuple[TokenPrompt, Future]] = []
         self._live = 0
@@ -91,11 +95,20 @@ class GenerationBatcher:
                 if not self._pending:
                     return
                 first = time.monotonic()
-                while len(self._pending) + self._outside < self._live:
-                    left = self._linger - (time.monotonic() - first)
-                    if left <= 0:
+                # The first batch waits for every trajectory's first request (they all start together,
+                # rendering their prompts); later ones for at most the linger. Trajectories in an
+                # environment call get a moment to come back (most tools answer in milliseconds).
+                linger = self._linger if self.calls else float("inf")
+                while True:
+                    waited = time.monotonic() - first
+                    if len(self._pending) >= self._live:
                         break
-                    self._cv.wait(left)
+                    if len(self._pending) + self._outside >= self._live and waited >= self._settle:
+                        break
+                    if waited >= linger:
+                        break
+                    wake = min(linger, self._settle if waited < self._settle else linger) - waited
+                    self._cv.wait(None if wake == float("inf") else max(wake, 0.0))
                 batch, self._pending = self._pending, []
             try:
                 generations = self._generate([p for p, _ in batch], self._seed + self.calls * 7_919)
@@ -106,9 +119,10 @@ class GenerationBatcher:
                 with self._cv:
                     self._failure = exc
                     stranded, self._pending = self._pending, []
+                failure = BackendFailure(f"the rollout backend failed: {type(exc).__name__}: {exc}")
                 for _, future in batch + stranded:
-                    future.set_exception(BackendFailure(f"the rollout backend failed: {type(exc).__name__}: {exc}"))
-                raise
+                    future.set_exception(failure)
+                raise failure from exc
             self.calls += 1
             self.requests += len(batch)
             for (_, future), generation in zip(batch, generations):
@@ -166,9 +180,11 @@ def run_trajectories(tasks: list[AgentTask], driver: Driver, generate: Callable[
                                   daemon=True)
         threads.append(thread)
         thread.start()
-    batcher.serve()
-    for thread in threads:
-        thread.join()
+    try:
+        batcher.serve()
+    finally:  # on a backend failure every waiting trajectory got it: they all end
+        for thread in threads:
+            thread.join()
     wall = time.perf_counter() - started
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
