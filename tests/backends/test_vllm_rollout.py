@@ -176,6 +176,8 @@ def assert_within_budgets(gens, prompts, default_budget):
         budget = default_budget if p.max_new_tokens is None else p.max_new_tokens
         assert 1 <= len(g.response_ids) <= budget
         assert g.finished or len(g.response_ids) == budget
+    # a budget other than the sampling's bound some response (so the per-request budgets were applied)
+    assert any(not g.finished and len(g.response_ids) != default_budget for g in gens)
 
 
 def test_token_prompts_over_two_turns(engine, spec, tiny_model_path):
