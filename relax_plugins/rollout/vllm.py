@@ -26,6 +26,13 @@ With ``roles.rollout.weight_sync: collective`` the weights instead come over a w
 ``receive_weights`` pauses the engine, has every worker receive the trainer's broadcast (NCCL on
 GPUs, gloo on CPU) and load it bucket by bucket, then clears the prefix cache and resumes.
 
+Multi-turn rollouts call ``generate_tokens``: token prompts (a trajectory's tokens so far) go to the
+engine as they are, each with its own budget, and come back with one sample each. The engine serves at
+most ``max_model_len`` tokens per sequence, which by default only covers single-turn prompts: an
+agentic run sets it to ``data.max_prompt_tokens + roles.rollout.agent.max_tokens`` or more (a prompt
+that does not fit with its budget is refused with that advice). Media observations need the ``hf``
+backend.
+
 Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
 requests are queued while the scheduler is paused and released together, so the same weights,
 prompts and seed give the same batches and the same generations.
@@ -48,7 +55,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.contracts import Generation, RolloutContext
+from relax.contracts import Generation, RolloutContext, TokenPrompt
 
 GIB = 1 << 30
 #: Where the worker-side half lives (vLLM imports it in its worker processes).
@@ -123,6 +130,7 @@ class VLLMRollout:
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(self.model_path)
                                                      if t != self.eos_token_id]
+        self._stops = frozenset(self.stop_token_ids)
         self.weight_shapes = _checkpoint_shapes(self.model_path)
         self.tied = bool(getattr(self.hf_config.get_text_config(), "tie_word_embeddings", False))
         if self.tied and "lm_head.weight" not in self.weight_shapes and "model.embed_tokens.weight" in self.weight_shapes:
@@ -256,13 +264,15 @@ class VLLMRollout:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
         return ids[-self.max_prompt_tokens:]
 
-    def sampling_params(self, sampling: Any, seed: int) -> Any:
-        """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block."""
+    def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None) -> Any:
+        """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block;
+        ``max_tokens`` is the request's own budget (None: ``sampling.max_new_tokens``)."""
         from vllm import SamplingParams
 
         from vllm.sampling_params import RequestOutputKind
 
-        common = dict(n=1, max_tokens=int(sampling.max_new_tokens), logprobs=0, seed=seed,
+        budget = int(sampling.max_new_tokens if max_tokens is None else max_tokens)
+        common = dict(n=1, max_tokens=budget, logprobs=0, seed=seed,
                       stop_token_ids=list(self.stop_token_ids), detokenize=False,
                       output_kind=RequestOutputKind.FINAL_ONLY)
         if sampling.temperature <= 0:
@@ -277,25 +287,69 @@ class VLLMRollout:
         encoded = [self.encode_prompt(p) for p in prompts]
         rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
         params = [self.sampling_params(sampling, _row_seed(seed, row)) for row in range(len(rows))]
+        return self._sample(rows, params)
+
+    def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int) -> list[Generation]:
+        """One sample of each token prompt, in order (``prompt_index`` = index into ``prompts``): a
+        multi-turn trajectory's next model turn. The ids go to the engine as they are (never
+        re-tokenized, never cut, so the trainer sees exactly what the model saw); each prompt has its
+        own budget (``max_new_tokens``, None: ``sampling.max_new_tokens``) and its own seed from
+        ``(seed, index)``, as the rows of ``generate``."""
+        rows, params = [], []
+        for index, prompt in enumerate(prompts):
+            budget = int(sampling.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens)
+            self._check_token_prompt(index, prompt, budget)
+            rows.append((index, list(prompt.ids)))
+            params.append(self.sampling_params(sampling, _row_seed(seed, index), max_tokens=budget))
+        return self._sample(rows, params) if rows else []
+
+    def _sample(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Generation]:
+        """Run one call's requests (``(prompt_index, prompt ids)`` rows, one ``SamplingParams``
+        each) on the engine and convert their outputs, in the rows' order."""
         with self._lock:
             outputs = self._call(self._generate(rows, params))
-        stops = set(self.stop_token_ids)
-        generations = []
-        for (prompt_index, ids), output in zip(rows, outputs):
-            completion = output.outputs[0]
-            response = list(completion.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response)]
-            finished = bool(response) and response[-1] in stops
-            text_ids = response[:-1] if finished else response
-            generations.append(Generation(
-                prompt_index=prompt_index,
-                prompt_ids=list(ids),
-                response_ids=response,
-                logprobs=logprobs,
-                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
-                finished=finished,
-            ))
-        return generations
+        return [self._generation(index, ids, output) for (index, ids), output in zip(rows, outputs)]
+
+    def _check_token_prompt(self, index: int, prompt: TokenPrompt, budget: int) -> None:
+        """What the engine cannot serve, refused before any request is queued (vLLM would fail a
+        whole call on one bad request, or cap a response silently at ``max_model_len``)."""
+        if prompt.media:
+            raise ValueError(f"token prompt {index} carries {len(prompt.media)} media item(s): the vllm "
+                             "backend's agentic path reads text only; use roles.rollout.backend hf for "
+                             "media observations")
+        if not prompt.ids:
+            raise ValueError(f"token prompt {index} has no ids; every prompt needs at least one token")
+        vocab = int(self.hf_config.get_text_config().vocab_size)
+        bad = [t for t in prompt.ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"token prompt {index} holds ids outside the model's vocabulary [0, {vocab}): "
+                             f"{bad[:5]}; build prompts with the model's own tokenizer")
+        if budget < 1:
+            raise ValueError(f"token prompt {index} has a budget of max_new_tokens={budget}; give at least 1 "
+                             "(a trajectory with no budget left ends before it is generated)")
+        needed = len(prompt.ids) + budget
+        if needed > self.max_model_len:
+            raise ValueError(f"token prompt {index} needs {len(prompt.ids)} prompt + {budget} new tokens = "
+                             f"{needed}, more than the engine's max_model_len={self.max_model_len}; "
+                             "set roles.rollout.options.max_model_len to at least data.max_prompt_tokens + "
+                             "roles.rollout.agent.max_tokens")
+
+    def _generation(self, prompt_index: int, ids: list[int], output: Any) -> Generation:
+        """A ``Generation`` from one finished vLLM request: its sampled tokens with their
+        log-probs; finished when a stop token ended it, the text decoded without that token."""
+        completion = output.outputs[0]
+        response = list(completion.token_ids)
+        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response)]
+        finished = bool(response) and response[-1] in self._stops
+        text_ids = response[:-1] if finished else response
+        return Generation(
+            prompt_index=prompt_index,
+            prompt_ids=list(ids),
+            response_ids=response,
+            logprobs=logprobs,
+            text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+            finished=finished,
+        )
 
     async def _generate(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Any]:
         """Queue every request while the scheduler is paused, then release them together, so the

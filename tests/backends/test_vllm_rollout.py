@@ -28,6 +28,9 @@ N = 3
 MAX_PROMPT_TOKENS = 5
 #: A small KV cache: the tiny model needs a few MiB.
 OPTIONS = {"kv_cache_gib": 0.25}
+#: The shared engine's sequence length: room for the multi-turn token prompts below (the default,
+#: max_prompt_tokens + max_new_tokens, covers single-turn prompts only).
+MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def spec(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def engine(spec, tiny_model_path):
-    rollout = build_rollout(spec, tiny_model_path, **OPTIONS)
+    rollout = build_rollout(spec, tiny_model_path, **OPTIONS, max_model_len=MAX_MODEL_LEN)
     yield rollout
     rollout.close()
 
@@ -153,6 +156,99 @@ def test_same_seed_same_generations(engine, spec):
     assert [g.response_ids for g in first] != [g.response_ids for g in other]
     # the n samples of one prompt differ from each other (each has its own seed)
     assert len({tuple(g.response_ids) for g in first}) > len(PROMPTS)
+
+
+# -- token in, token out (multi-turn rollouts) -----------------------------------------------------
+
+
+def token_prompts(engine, budgets):
+    """The PROMPTS as token ids, uncut (some are longer than data.max_prompt_tokens), one budget each."""
+    from relax.contracts import TokenPrompt
+
+    ids = [engine.tokenizer(p, add_special_tokens=True)["input_ids"] for p in PROMPTS]
+    assert any(len(i) > MAX_PROMPT_TOKENS for i in ids)
+    return [TokenPrompt(ids=i, max_new_tokens=b) for i, b in zip(ids, budgets)]
+
+
+def assert_within_budgets(gens, prompts, default_budget):
+    """Each response stops at a stop token or spends its own budget exactly, never more."""
+    for g, p in zip(gens, prompts):
+        budget = default_budget if p.max_new_tokens is None else p.max_new_tokens
+        assert 1 <= len(g.response_ids) <= budget
+        assert g.finished or len(g.response_ids) == budget
+    # a budget other than the sampling's bound some response (so the per-request budgets were applied)
+    assert any(not g.finished and len(g.response_ids) != default_budget for g in gens)
+
+
+def test_token_prompts_over_two_turns(engine, spec, tiny_model_path):
+    """A trajectory's second turn is its first prompt + the model's turn + observation tokens: every
+    prompt comes back as given (never re-tokenized, never cut), each response keeps its own budget,
+    and the log-probs are those the trainer computes on exactly those tokens (had the engine seen other
+    tokens, they would differ)."""
+    from relax.contracts import TokenPrompt
+
+    sampled = spec.roles.rollout.sampling
+    default = sampled.max_new_tokens
+    first_prompts = token_prompts(engine, [2, None, 4, 1])
+    first = engine.generate_tokens(first_prompts, sampled, seed=5)
+    assert [g.prompt_index for g in first] == list(range(len(PROMPTS)))
+    assert [g.prompt_ids for g in first] == [p.ids for p in first_prompts]
+    assert_within_budgets(first, first_prompts, default)
+
+    observation = engine.tokenizer("\nresult: 42\n", add_special_tokens=False)["input_ids"]
+    assert observation
+    second_prompts = [TokenPrompt(ids=g.prompt_ids + g.response_ids + observation, max_new_tokens=b)
+                      for g, b in zip(first, [5, 3, None, 7])]
+    second = engine.generate_tokens(second_prompts, sampled, seed=6)
+    assert [g.prompt_ids for g in second] == [p.ids for p in second_prompts]
+    assert_within_budgets(second, second_prompts, default)
+    stops = set(engine.stop_token_ids)
+    for g in first + second:
+        assert len(g.logprobs) == len(g.response_ids) and all(lp <= 0 for lp in g.logprobs)
+        assert not stops & set(g.response_ids[:-1])
+        assert g.finished == (g.response_ids[-1] in stops)
+        assert g.text == engine.tokenizer.decode(g.response_ids[:-1] if g.finished else g.response_ids,
+                                                 skip_special_tokens=True)
+
+    trainer = build_trainer(spec, tiny_model_path)
+    for gens in (first, second):
+        batch = batch_of(gens, engine.pad_token_id)
+        assert max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+
+
+def test_token_prompts_are_seeded_like_generate(engine, spec):
+    """The same seed gives the same tokens, another seed others; and request i is seeded from
+    (seed, i) as generate's row i, so n=1 on the same ids gives the same samples."""
+    from relax.contracts import TokenPrompt
+
+    sampling_ = spec.roles.rollout.sampling
+    prompts = [TokenPrompt(ids=engine.encode_prompt(text)) for text in PROMPTS]
+    first = engine.generate_tokens(prompts, sampling_, seed=21)
+    again = engine.generate_tokens(prompts, sampling_, seed=21)
+    other = engine.generate_tokens(prompts * 3, sampling_, seed=22)
+    assert [(g.response_ids, g.logprobs) for g in first] == [(g.response_ids, g.logprobs) for g in again]
+    assert [g.response_ids for g in first] != [g.response_ids for g in other[:len(prompts)]]
+    assert len({tuple(g.response_ids) for g in other}) > len(prompts)  # repeats of a prompt differ
+    generated = engine.generate(PROMPTS, 1, sampling_, seed=21)
+    assert [(g.response_ids, g.logprobs) for g in generated] == [(g.response_ids, g.logprobs) for g in first]
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ({"ids": [5, 6], "media": ["image://0"]}, "agentic path reads text only; use roles.rollout.backend hf"),
+    ({"ids": []}, "token prompt 1 has no ids"),
+    ({"ids": [5, 10**7]}, "ids outside the model's vocabulary"),
+    ({"ids": [5, 6], "max_new_tokens": 0}, "max_new_tokens=0; give at least 1"),
+    ({"ids": [5] * (MAX_MODEL_LEN - 3), "max_new_tokens": 4}, "more than the engine's max_model_len=64; set "
+                                                            "roles.rollout.options.max_model_len"),
+])
+def test_token_prompts_the_engine_cannot_serve_are_refused(engine, spec, prompt, message):
+    from relax.contracts import TokenPrompt
+
+    good = TokenPrompt(ids=engine.encode_prompt(PROMPTS[0]))
+    with pytest.raises(ValueError, match=message):
+        engine.generate_tokens([good, TokenPrompt(**prompt)], spec.roles.rollout.sampling, seed=0)
+    # nothing was queued: the engine still serves the good prompt
+    assert len(engine.generate_tokens([good], spec.roles.rollout.sampling, seed=0)) == 1
 
 
 # -- weight updates ------------------------------------------------------------------------------
