@@ -433,6 +433,10 @@ class RolloutContext(ContextData):
     """Prompts are cut from the left to this many tokens."""
     media: MediaInfo | None = None
     """None for text runs."""
+    max_trajectory_tokens: int | None = None
+    """Agentic runs (``roles.rollout.agent.max_tokens``): tokens after the prompt a multi-turn
+    trajectory may hold, so an engine sizes its sequences for ``max_prompt_tokens`` plus these;
+    None: one response of ``sampling.max_new_tokens``."""
     device: str = "cpu"
     seed: int = 0
 

@@ -57,6 +57,7 @@ def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu") -> Roll
     return RolloutContext(role="rollout", model=model_info(spec, model_path), sampling=sampling_info(spec),
                           parallel=_parallel(role), gpu_memory_utilization=role.gpu_memory_utilization,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
+                          max_trajectory_tokens=None if role.agent is None else role.agent.max_tokens,
                           device=device, seed=spec.seed)
 
 

@@ -28,9 +28,9 @@ GPUs, gloo on CPU) and load it bucket by bucket, then clears the prefix cache an
 
 Multi-turn rollouts call ``generate_tokens``: token prompts (a trajectory's tokens so far) go to the
 engine as they are, each with its own budget, and come back with one sample each. The engine serves at
-most ``max_model_len`` tokens per sequence, which by default only covers single-turn prompts: an
-agentic run sets it to ``data.max_prompt_tokens + roles.rollout.agent.max_tokens`` or more (a prompt
-that does not fit with its budget is refused with that advice). Media observations need the ``hf``
+most ``max_model_len`` tokens per sequence, by default ``data.max_prompt_tokens`` plus the
+trajectory's budget (``roles.rollout.agent.max_tokens``, from the context) in agentic runs (a prompt
+that does not fit with its budget is refused with advice). Media observations need the ``hf``
 backend.
 
 Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
@@ -123,7 +123,8 @@ class VLLMRollout:
         self.context = context
         self.model_path = context.model.path
         self.max_prompt_tokens = int(context.max_prompt_tokens)
-        self.max_model_len = config.max_model_len or self.max_prompt_tokens + int(context.sampling.max_new_tokens)
+        after_prompt = context.max_trajectory_tokens or int(context.sampling.max_new_tokens)
+        self.max_model_len = config.max_model_len or self.max_prompt_tokens + after_prompt
         self._check_context(context)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
