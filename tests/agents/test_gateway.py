@@ -8,6 +8,7 @@ module-level functions below, referenced as ``tests.agents.test_gateway:<name>``
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 
@@ -88,6 +89,24 @@ def misbehaves(task: AgentTask, base_url: str, api_key: str) -> float | None:
     return None  # "ok": the reward plugins will score the final text
 
 
+CALCULATOR = {"type": "function", "function": {
+    "name": "multiply", "description": "multiplies two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def uses_a_tool(task: AgentTask, base_url: str, api_key: str) -> None:
+    """Declare a tool, answer the model's call with a tool message, ask again."""
+    client = _client(base_url, api_key)
+    messages: list = [{"role": "user", "content": task.prompt}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR])
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR])
+    SEEN[task.trajectory_id] = {"first": first.choices[0], "second": second.choices[0]}
+    return None
+
+
 def _driver(program: str, backend, limits: AgentLimits) -> ProgramDriver:
     agent = AgentSpec(gateway=GatewaySpec(program=f"tests.agents.test_gateway:{program}"),
                       max_turns=limits.max_turns, max_tokens=limits.max_tokens)
@@ -163,6 +182,46 @@ def test_a_two_turn_agent_program_through_the_openai_client_is_trained_on_its_ex
     finally:  # the session's trainer stays equal to the rollout's weights for the other tests
         trainer.load_weights(weights, version)
         trainer.optimizer.load_state_dict(optimizer)
+
+
+def test_a_tool_call_reaches_the_program_in_openai_form_and_its_answer_is_appended(omni_backends):
+    """The model's turns are scripted here (real tokenizer and template, the gateway and client for real):
+    a hermes tool call, then an answer."""
+    from relax.contracts import Generation
+
+    rollout, _ = omni_backends
+    tokenizer = rollout.tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    said = ['<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>', "It is 42."]
+
+    def scripted(prompts, seed):
+        out = []
+        for i, prompt in enumerate(prompts):
+            turn = tokenizer.decode(prompt.ids, skip_special_tokens=False).count("<|im_start|>assistant") - 1
+            ids = tokenizer(said[turn], add_special_tokens=False)["input_ids"] + [im_end]
+            out.append(Generation(prompt_index=i, prompt_ids=prompt.ids, response_ids=ids,
+                                  logprobs=[-0.5] * len(ids), text=said[turn], finished=True))
+        return out
+
+    limits = AgentLimits(max_turns=2, max_tokens=300, max_new_tokens=100, tool_timeout_s=30, concurrency=8)
+    driver = _driver("uses_a_tool", rollout, limits)
+    task = AgentTask(prompt="What is 6*7?", label="42", row={}, index=0, sample=0, trajectory_id="tool:0")
+    try:
+        (t,) = run_trajectories([task], driver, scripted, 0).trajectories
+    finally:
+        driver.close()
+
+    assert t.error is None, t.error
+    first, second = SEEN["tool:0"]["first"], SEEN["tool:0"]["second"]
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    (call,) = first.message.tool_calls
+    assert call.type == "function" and call.function.name == "multiply"
+    assert json.loads(call.function.arguments) == {"a": 6, "b": 7}
+    assert second.finish_reason == "stop" and second.message.content == "It is 42." and not second.message.tool_calls
+    assert t.tool_calls == 1 and t.tool_errors == 0 and t.final_text == "It is 42."
+    # The model's call stays as it wrote it in the tokens; the tool's answer follows as a tool message.
+    assert tokenizer.decode(t.response_ids, skip_special_tokens=False) == (
+        f"{said[0]}<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n{said[1]}<|im_end|>")
 
 
 def test_a_program_that_errs_ends_only_its_own_trajectory(omni_backends):
