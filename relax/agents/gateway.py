@@ -537,10 +537,13 @@ class _Handler(BaseHTTPRequestHandler):
             status, body = 500, GatewayError(500, f"the Relax gateway failed: {type(exc).__name__}: {exc}",
                                              kind="server_error").body()
         data = json.dumps(body).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        if status >= 500:  # the OpenAI client retries 5xx; a failed backend or gateway will not recover
-            self.send_header("x-should-retry", "false")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            if status >= 500:  # the OpenAI client retries 5xx; a failed backend or gateway will not recover
+                self.send_header("x-should-retry", "false")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the program hung up (it timed out or was abandoned): nobody to answer
+            self.close_connection = True

@@ -241,7 +241,8 @@ def test_a_program_that_errs_ends_only_its_own_trajectory(omni_backends):
     by = dict(zip(labels, batch.trajectories))
 
     assert by["ok"].error is None and len(by["ok"].turns) == 1 and by["ok"].agent_reward is None
-    assert by["raise"].error == "agent program tests.agents.test_gateway:misbehaves: raised RuntimeError: the agent crashed"
+    assert by["raise"].error == \
+        "agent program tests.agents.test_gateway:misbehaves: raised RuntimeError: the agent crashed"
     assert "ran past 6 s" in by["hang"].error and len(by["hang"].turns) == 1
     assert wall < 6 + 20  # the hanging program cost its own time limit, not the run
     # A call past max_turns is refused and the trajectory truncated (not failed); its two turns stand.
