@@ -100,11 +100,20 @@ class ChatTokens:
         message = {"role": observation.role, "content": content}
         if observation.role == "tool":
             message["name"] = observation.info.get("tool", "")
-        whole = self.render([*self._probe, message], generation_prompt=True)
+        return self.following([message], refs, model_stopped)
+
+    def following(self, messages: list[dict[str, Any]], refs: list[MediaRef], model_stopped: str | None) -> Rendered:
+        """The tokens that follow a model turn when ``messages`` (chat-template dicts, in order) come
+        after it: the rest of the turn's closing text, every message, and the assistant header of the
+        next turn (an agent program may send several messages at once, e.g. one per tool call).
+
+        ``model_stopped`` as in ``message``."""
+        whole = self.render([*self._probe, *messages], generation_prompt=True)
         if not whole.startswith(self._closed):
-            raise TemplateError("the chat template renders earlier messages differently once a "
-                                f"{observation.role!r} message follows; token-in, token-out rollouts need a template "
-                                "that only appends (see docs/agents.md)")
+            roles = ", ".join(repr(m.get("role")) for m in messages) or "no"
+            raise TemplateError(f"the chat template renders earlier messages differently once {roles} message(s) "
+                                "follow; token-in, token-out rollouts need a template that only appends "
+                                "(see docs/agents.md)")
         closing = self.turn_end
         if model_stopped and closing.startswith(model_stopped):
             closing = closing[len(model_stopped):]

@@ -47,7 +47,7 @@ class AgentSampler:
             from relax.agents.gateway import ProgramDriver
 
             self.driver = ProgramDriver(agent, backend, self.limits, version=lambda: int(backend.version),
-                                        telemetry=telemetry)
+                                        telemetry=telemetry, max_prompt_tokens=max_prompt_tokens)
         self._prompt_refs: dict[str, list[Any]] = {}
         """The media references of each running trajectory's prompt (multimodal data)."""
 
