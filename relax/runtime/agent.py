@@ -77,3 +77,9 @@ class AgentSampler:
             contexts = [dumps_context(task.prompt, t.all_media, tokens_given=True)
                         for task, t in zip(tasks, batch.trajectories)]
         return gens, meta, contexts, batch
+
+    def close(self) -> None:
+        """Stop what the driver started (the gateway's endpoint); environments own no resources here."""
+        close = getattr(self.driver, "close", None)
+        if callable(close):
+            close()

@@ -241,6 +241,10 @@ class RoleWorker:
         self.heartbeat.stop()
         for backend in self._ranked().values():
             backend.close()
+        for loop in self.loops:
+            agent = getattr(loop, "agent", None)
+            if agent is not None:  # the gateway's endpoint, if one was started
+                agent.close()
         self.env.telemetry.shutdown()
         if self.env.bus is not None:
             self.env.bus.close()
