@@ -6,7 +6,11 @@ small Llama (or Qwen2) model at random from ``seed`` and gives it a short superv
 after the answer only ``warmup_stop_probability`` of the time (the other targets ramble on), so
 that reinforcement learning with an exact-match reward starts from a weak policy (about 0.25
 sampled accuracy) and has something quick and real to learn (reaching about 0.85 within a few
-dozen GRPO steps). The result is a normal Hugging Face folder (``save_pretrained``, safetensors,
+dozen GRPO steps). With ``task: calculator`` it is an agent instead: a chat template
+(``CHAT_TEMPLATE``), tool-call tokens (``TOOL_TOKENS``) and a warm-up of whole trajectories on
+``synthetic:products`` with the ``calculator`` environment, calling the tool a quarter of the time
+(``presets/tiny-agent-cpu.yaml``: GRPO raises its reward from about 0.2 to about 0.8 in a few dozen
+steps by teaching it to call). The result is a normal Hugging Face folder (``save_pretrained``, safetensors,
 tokenizer), cached under ``<cache_dir>/tiny-lm-<hash of the config>`` and built once even when
 several processes ask at the same time.
 
@@ -33,6 +37,44 @@ CHARSET: tuple[str, ...] = ("\n", *(chr(code) for code in range(32, 127)))
 VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARSET)
 JUDGE_TEMPLATE = "{prompt}{response}?"
 """The judge task's input (``genrm`` template fields): ``3+5=8?`` -> ``yes``, ``3+5=9?`` -> ``no``."""
+CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}{%- if content is string -%}{{- content -}}{%- elif content -%}"
+    "{%- for item in content -%}{%- if item['type'] == 'text' -%}{{- item['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+    "{%- if tools -%}{{- 'T:' -}}{%- for tool in tools -%}"
+    "{{- (tool['function']['name'] if tool['function'] is defined else tool['name'])"
+    " + (',' if not loop.last else '\\n') -}}{%- endfor -%}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- 'A:' + text(message['content']) -}}"
+    "{%- for call in (message['tool_calls'] or []) if message['tool_calls'] is defined -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>{\"name\":' + f['name'] | tojson + ',\"arguments\":' + (f['arguments'] if f['arguments']"
+    " is string else f['arguments'] | tojson(separators=(',', ':'))) + '}</tool_call>' -}}"
+    "{%- endfor -%}{{- '<eos>' -}}"
+    "{%- elif message['role'] in ('user', 'tool', 'system') -%}"
+    "{{- {'user': 'U:', 'tool': 'R:', 'system': 'S:'}[message['role']] + text(message['content']) + '\\n' -}}"
+    "{%- else -%}{{- raise_exception('tiny-lm has no chat role ' + message['role']) -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'A:' -}}{%- endif -%}"
+)
+"""The chat template of ``task: calculator``: one or two characters per message boundary, so the
+character-level model reads little besides the task. ``T:calc`` names the tools, then ``U:`` a user
+message, ``R:`` a tool result and ``S:`` a system message, each ending with a newline; ``A:`` opens
+an assistant turn, which ends with the eos token ``<eos>`` (tool calls are written in the turn's
+text, hermes style with compact JSON). Each message only appends to the text of the ones before,
+so a trajectory's tokens can be extended message by message (``relax.agents.chat``)."""
+TOOL_CALL = '<tool_call>{{"name":"calc","arguments":{{"expr":"{expr}"}}}}</tool_call>'
+"""The tool-call turn the calculator warm-up teaches (``expr`` is the problem without its ``=``)."""
+TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", '{"name":"calc","arguments":{"expr":"', '"}}')
+"""Extra tokens of the ``calculator`` task's vocabulary (ordinary tokens, decoded as their text):
+the hermes wrapper and the call's fixed JSON, one token each, as a real tokenizer would merge them.
+A character-level model copies a number well from a few tokens back but not from fifty, so with
+these the expression it copies into the call sits a dozen tokens after the problem."""
+
+
+def vocab_size(task: str) -> int:
+    """Tokens of the vocabulary of a tiny-lm built for ``task``."""
+    return VOCAB_SIZE + (len(TOOL_TOKENS) if task == "calculator" else 0)
 
 
 class TinyLM:
@@ -61,11 +103,19 @@ class TinyLM:
         """Longest sequence (prompt plus response) in tokens."""
         tie_embeddings: bool = True
         """Share the input embedding with the output head."""
-        task: Literal["arithmetic", "judge"] = "arithmetic"
+        task: Literal["arithmetic", "judge", "calculator"] = "arithmetic"
         """Task of the warm-up: ``arithmetic`` teaches the default ``synthetic:arithmetic`` format;
         ``judge`` makes a grader of it: given ``JUDGE_TEMPLATE`` filled with a problem and a candidate
         response it answers ``yes`` (the response is exactly the answer) or ``no`` (for the ``genrm``
-        reward's tests and demos)."""
+        reward's tests and demos); ``calculator`` teaches the ``synthetic:products`` task as an agent
+        of the ``calculator`` environment, through ``CHAT_TEMPLATE`` (saved with the tokenizer): a
+        tool call, the tool's result, then the answer copied from it, or, more often, a direct
+        answer that is usually wrong (``warmup_tool_probability``)."""
+        warmup_tool_probability: float = Field(0.25, ge=0.0, le=1.0)
+        """``task: calculator`` only: share of warm-up trajectories that call the tool (and copy its
+        result); the others answer directly with a plausible but usually wrong number. The model
+        learns to call and copy well but to call only about this often, so its sampled exact-match
+        reward starts near this value and RL can raise it by teaching it to call the tool."""
         warmup_steps: int = Field(600, ge=0)
         """Supervised warm-up steps on the task (0 leaves the random initialisation)."""
         warmup_batch_size: int = Field(64, ge=1)
@@ -97,7 +147,7 @@ class TinyLM:
             "num_kv_heads": c.num_kv_heads,
             "head_dim": c.head_dim,
             "intermediate_size": c.intermediate_size,
-            "vocab_size": VOCAB_SIZE,
+            "vocab_size": vocab_size(c.task),
             "tie_embeddings": c.tie_embeddings,
             "modalities": ["text"],
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +16,38 @@ import torch
 
 from relax.algo.batch import collate, token_logprobs
 from relax.algo.losses import masked_mean
-from relax.contracts import Generation
+from relax.contracts import Generation, ToolCall, Turn
 from relax_plugins.datasets.arithmetic import ArithmeticDataset, arithmetic_problem
-from relax_plugins.models.tiny_lm import CHARSET, JUDGE_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, TinyLM
+from relax_plugins.datasets.products import ProductsDataset, product_problem
+from relax_plugins.models.tiny_lm import (
+    CHARSET,
+    CHAT_TEMPLATE,
+    JUDGE_TEMPLATE,
+    SPECIAL_TOKENS,
+    TOOL_CALL,
+    TOOL_TOKENS,
+    VOCAB_SIZE,
+    TinyLM,
+    vocab_size,
+)
 
 PAD, EOS, UNK = SPECIAL_TOKENS
 #: Characters of the rambling continuation some warm-up targets have after the answer.
 RAMBLE = "0123456789+"
+#: Share of the calculator warm-up's trajectories that use the tool (see ``calculator_examples``).
+TOOL_SHARE = 0.75
+#: Rows per forward pass of the warm-up (rows are grouped by length, so little padding is computed).
+LENGTH_GROUP = 16
 
 
-def train_tokenizer() -> Any:
+def train_tokenizer(extra_tokens: tuple[str, ...] = ()) -> Any:
     """A character-level tokenizer trained with ``tokenizers``, wrapped for transformers.
 
-    Every character of ``CHARSET`` is one token; anything else is ``<unk>``. Left padding is passed
-    to the constructor so that it is saved with the tokenizer.
+    Every character of ``CHARSET`` is one token; anything else is ``<unk>``; each of
+    ``extra_tokens`` is one more (ordinary) token, after those. Left padding is passed to the
+    constructor so that it is saved with the tokenizer.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel(unk_token=UNK))
@@ -41,6 +58,7 @@ def train_tokenizer() -> Any:
     core.train_from_iterator(["".join(CHARSET)], trainer=trainer)
     if core.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tiny-lm tokenizer has {core.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    core.add_tokens([AddedToken(token, normalized=False, special=False) for token in extra_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         padding_side="left",
@@ -58,7 +76,7 @@ def build_model(config: TinyLM.Config, tokenizer: Any) -> Any:
 
     arch = LlamaConfig if config.architecture == "llama" else Qwen2Config
     hf_config = arch(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
@@ -135,6 +153,111 @@ def _wrong(rng: random.Random, answer: int) -> int:
             return guess
 
 
+class CalculatorLayout:
+    """The tokens of calculator trajectories as the agent runtime lays them out, learned once from
+    the chat template: the prompt is the user message rendered with the calculator's tools and the
+    assistant header; after a model turn come the rest of the assistant message's closing text
+    (less the eos the model wrote), the tool message and the next assistant header (the runtime's
+    ``relax.agents.chat.ChatTokens``; a test checks the two agree token for token). The template's
+    tokens around the prompt's text and the observation's text are fixed, so a trajectory is
+    assembled from them without rendering the template per example."""
+
+    _PROBE, _USER, _ANSWER = "@probe@", "1*1=", "1"
+
+    def __init__(self, tokenizer: Any) -> None:
+        from relax_plugins.environments.calculator import CalculatorEnvironment
+
+        self.tokenizer = tokenizer
+        self.environment = CalculatorEnvironment(CalculatorEnvironment.Config())
+        self.tool = self.environment.tools()[0].name
+        tools = [t.to_openai() for t in self.environment.tools()]
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+
+        self.prompt_around = self._around(render([{"role": "user", "content": self._PROBE}], True))
+        turn = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ANSWER}]
+        closed = render(turn, False)
+        whole = render([*turn, {"role": "tool", "name": self.tool, "content": self._PROBE}], True)
+        if not whole.startswith(closed):
+            raise RuntimeError("the calculator chat template rewrites earlier messages when a tool message follows")
+        closing = closed[closed.rfind(self._ANSWER) + len(self._ANSWER):].removeprefix(tokenizer.eos_token)
+        self.observation_around = self._around(closing + whole[len(closed):])
+
+    def _around(self, text: str) -> tuple[list[int], list[int]]:
+        before, after = text.split(self._PROBE)
+        return self.encode(before), self.encode(after)
+
+    def _turn(self, expr: str) -> Turn:
+        return Turn(0, TOOL_CALL.format(expr=expr), [ToolCall(name=self.tool, arguments={"expr": expr})], True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, text: str) -> list[int]:
+        """The first prompt's tokens for a problem (what ``ChatTokens.prompt`` gives)."""
+        before, after = self.prompt_around
+        return before + self.encode(text) + after
+
+    def trajectory(self, item: dict[str, str]) -> dict[str, list[int]]:
+        """The token pieces of a trajectory that calls the tool on ``item``: the prompt, the
+        tool-call turn (ending in eos), the observation's tokens (the calculator's own result,
+        rendered by the template) and the answer copied from it (ending in eos)."""
+        turn = self._turn(item["prompt"].rstrip("="))
+        result = str(self.environment.step({}, turn).content)
+        before, after = self.observation_around
+        eos = self.tokenizer.eos_token_id
+        return {
+            "prompt": self.prompt(item["prompt"]),
+            "call": self.encode(turn.text) + [eos],
+            "observation": before + self.encode(result) + after,
+            "answer": self.encode(result) + [eos],
+        }
+
+
+def calculator_examples(tokenizer: Any, rng: random.Random, count: int, tool_probability: float = 0.25,
+                        layout: CalculatorLayout | None = None) -> list[tuple[list[int], list[int], str, list[int]]]:
+    """``count`` products as (prompt ids, trajectory ids, answer, loss mask over the trajectory).
+
+    A trajectory either calls the tool, reads the result and answers with it, or answers directly
+    with the product of the left operand and another number of the right operand's size
+    (plausible, and right only by chance). The loss mask is 1 on the assistant's tokens (its turns
+    with their eos), 0 on the observation's.
+
+    Copying is what the model must learn and only the tool-using trajectories teach it, so they
+    are most of the examples (``TOOL_SHARE``) whatever ``tool_probability`` is; the first token's
+    loss is kept in just enough of them that the model starts a call with ``tool_probability``.
+    """
+    options = ProductsDataset.Config()
+    layout = layout or CalculatorLayout(tokenizer)
+    share = max(tool_probability, TOOL_SHARE)
+    keep_first = 1.0 if share >= 1.0 else tool_probability * (1 - share) / (share * (1 - tool_probability))
+    out = []
+    for _ in range(count):
+        item = product_problem(rng, list(options.left_digits), list(options.right_digits))
+        if rng.random() < share:
+            parts = layout.trajectory(item)
+            ids = parts["call"] + parts["observation"] + parts["answer"]
+            mask = [1] * len(parts["call"]) + [0] * len(parts["observation"]) + [1] * len(parts["answer"])
+            mask[0] = int(rng.random() < keep_first)
+            prompt = parts["prompt"]
+        else:
+            left, right = item["prompt"].rstrip("=").split("*")
+            other = int(left) * _same_size(rng, int(right))
+            ids = tokenizer(str(other), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            mask = [1] * len(ids)
+            prompt = layout.prompt(item["prompt"])
+        out.append((prompt, ids, item["answer"], mask))
+    return out
+
+
+def _same_size(rng: random.Random, number: int) -> int:
+    """Another number with as many digits as ``number``."""
+    digits = len(str(number))
+    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+
 def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, float]:
     """Supervised steps on the task (loss: mean negative log-likelihood of the target tokens).
 
@@ -153,17 +276,27 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    make_examples = example_maker(config, tokenizer)
     model.train()
     loss_value = float("nan")
     for _ in range(steps):
-        examples = examples_of(config)(tokenizer, rng, config.warmup_batch_size, config.warmup_stop_probability)
-        generations = [Generation(0, p, r, [0.0] * len(r), "") for p, r, _ in examples]
-        batch = collate(generations, [0.0] * len(generations), tokenizer.pad_token_id)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids, use_cache=False).logits
-        loss = -masked_mean(token_logprobs(logits, batch.input_ids), batch.response_mask)
+        examples = make_examples(rng, config.warmup_batch_size)
+        # Rows of similar length together: a calculator batch mixes long tool-using trajectories
+        # with short direct answers, and padding every row to the longest would double the work.
+        # (The other tasks' rows are all short: one forward pass.)
+        group = LENGTH_GROUP if config.task == "calculator" else len(examples)
+        if group < len(examples):
+            examples.sort(key=lambda e: len(e[0]) + len(e[1]))
+        groups = [training_batch(tokenizer, examples[i:i + group]) for i in range(0, len(examples), group)]
+        total = sum(float(mask.sum()) for _, mask in groups)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros(())
+        for batch, loss_mask in groups:  # the mean over every target token of the step
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids, use_cache=False).logits
+            part = -masked_mean(token_logprobs(logits, batch.input_ids), loss_mask) * (float(loss_mask.sum()) / total)
+            part.backward()
+            loss = loss + part.detach()
         optimizer.step()
         schedule.step()
         loss_value = float(loss.item())
@@ -171,9 +304,64 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
     return {"warmup_final_loss": loss_value}
 
 
-def examples_of(config: TinyLM.Config) -> Any:
-    """The example maker of the config's warm-up task."""
-    return judge_examples if config.task == "judge" else task_examples
+def example_maker(config: TinyLM.Config, tokenizer: Any) -> Callable[[random.Random, int], list[tuple]]:
+    """The maker of the config's warm-up examples: ``(rng, count)`` -> (prompt ids, target ids,
+    answer), plus the target's loss mask for the calculator task (its observation tokens are not
+    the model's)."""
+    if config.task == "calculator":
+        layout = CalculatorLayout(tokenizer)
+        return lambda rng, count: calculator_examples(tokenizer, rng, count, config.warmup_tool_probability, layout)
+    maker = judge_examples if config.task == "judge" else task_examples
+    return lambda rng, count: maker(tokenizer, rng, count, config.warmup_stop_probability)
+
+
+def training_batch(tokenizer: Any, examples: list[tuple]) -> tuple[Any, torch.Tensor]:
+    """The collated examples and their loss mask: every target token, or the example's own mask
+    (its fourth field) where it has one."""
+    generations = [Generation(0, e[0], e[1], [0.0] * len(e[1]), "") for e in examples]
+    batch = collate(generations, [0.0] * len(generations), tokenizer.pad_token_id)
+    loss_mask = batch.response_mask.clone()
+    start = max(len(e[0]) for e in examples)  # collate's response column
+    for i, example in enumerate(examples):
+        if len(example) > 3:
+            loss_mask[i, start:start + len(example[1])] = torch.tensor(example[3], dtype=loss_mask.dtype)
+    return batch, loss_mask
+
+
+def sequence_probabilities(model: Any, tokenizer: Any, pairs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """``p(target | prefix)`` for each (prefix ids, target ids): what sampling at temperature 1
+    writes exactly ``target`` after ``prefix`` with (the tokenization is unique, character level)."""
+    generations = [Generation(0, p, t, [0.0] * len(t), "") for p, t in pairs]
+    batch = collate(generations, [0.0] * len(generations), tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids, use_cache=False).logits
+        return (token_logprobs(logits, batch.input_ids) * batch.response_mask).sum(dim=1).exp()
+
+
+def calculator_report(model: Any, tokenizer: Any, rng: random.Random, count: int) -> dict[str, float]:
+    """How the warmed-up calculator agent behaves, in expectation over ``count`` held-out products:
+
+    - ``tool_call_probability``: it writes the right tool call (the problem's expression) as its
+      first turn;
+    - ``copy_probability``: after the tool's result it answers exactly that result;
+    - ``direct_accuracy``: its first turn is the right answer without the tool;
+    - ``expected_accuracy``: its expected exact-match reward (call then copy, or right directly).
+    """
+    options = ProductsDataset.Config()
+    layout = CalculatorLayout(tokenizer)
+    items = [product_problem(rng, list(options.left_digits), list(options.right_digits)) for _ in range(count)]
+    pieces = [layout.trajectory(item) for item in items]
+    call = sequence_probabilities(model, tokenizer, [(p["prompt"], p["call"]) for p in pieces])
+    copy = sequence_probabilities(model, tokenizer, [(p["prompt"] + p["call"] + p["observation"], p["answer"])
+                                                     for p in pieces])
+    direct = sequence_probabilities(model, tokenizer, [(p["prompt"], p["answer"]) for p in pieces])
+    return {
+        "tool_call_probability": float(call.mean()),
+        "copy_probability": float(copy.mean()),
+        "direct_accuracy": float(direct.mean()),
+        "expected_accuracy": float((call * copy + direct).mean()),
+    }
 
 
 def expected_accuracy(model: Any, tokenizer: Any, examples: list[tuple[list[int], list[int], str]]) -> float:
@@ -195,15 +383,23 @@ def build_tiny_lm(config: TinyLM.Config, folder: Path) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # fastest for a model this small, and steady on a busy machine
     try:
-        tokenizer = train_tokenizer()
+        tokenizer = train_tokenizer(TOOL_TOKENS if config.task == "calculator" else ())
+        if len(tokenizer) != vocab_size(config.task):
+            raise RuntimeError(f"tiny-lm tokenizer has {len(tokenizer)} tokens, expected {vocab_size(config.task)}")
         model = build_model(config, tokenizer)
+        if config.task == "calculator":
+            tokenizer.chat_template = CHAT_TEMPLATE
         report = warm_up(model, tokenizer, config)
-        # The judge is measured on judgements only: the probability of the right verdict.
-        evaluate = judgements if config.task == "judge" else task_examples
-        evaluation = evaluate(tokenizer, random.Random(f"tiny-lm-eval:{config.seed}"), 512)
-        report["expected_accuracy"] = expected_accuracy(model, tokenizer, evaluation)
-        report["expected_answer_accuracy"] = expected_accuracy(
-            model, tokenizer, [(p, r[:-1], a) for p, r, a in evaluation])
+        held_out = random.Random(f"tiny-lm-eval:{config.seed}")
+        if config.task == "calculator":
+            report.update(calculator_report(model, tokenizer, held_out, 256))
+        else:
+            # The judge is measured on judgements only: the probability of the right verdict.
+            evaluate = judgements if config.task == "judge" else task_examples
+            evaluation = evaluate(tokenizer, held_out, 512)
+            report["expected_accuracy"] = expected_accuracy(model, tokenizer, evaluation)
+            report["expected_answer_accuracy"] = expected_accuracy(
+                model, tokenizer, [(p, r[:-1], a) for p, r, a in evaluation])
     finally:
         torch.set_num_threads(threads)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
