@@ -200,12 +200,15 @@ def test_products_are_deterministic_and_correct():
 
 
 @pytest.fixture(scope="module")
-def agent_model(tmp_path_factory) -> Path:
+def agent_model() -> Path:
     """The tiny model exactly as the preset builds it (about half a minute on one core)."""
     options = yaml.safe_load(PRESET.read_text())["model"]["options"]
     assert options["task"] == "calculator"
     model = TinyLM(TinyLM.Config(**options))
-    return Path(model.materialize(str(tmp_path_factory.mktemp("agent-cache"))))
+    # The runtime's cache: a run of the preset (tests/runtime/test_agent_run.py) finds it built.
+    from relax.runtime.components import cache_dir
+
+    return Path(model.materialize(cache_dir()))
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 They follow the published contracts (``relax.contracts.HOOKS``) and declare the capabilities the
 spec rules consult (``parallelism``, ``modalities``, ``group_based``), so rule tests do not depend
-on what the built-in plugins happen to declare. Nothing here is ever run: validation only imports
-the classes (and asks the model plugin for its architecture numbers).
+on what the built-in plugins happen to declare. Nothing here is run except ``FlakyCalculator``,
+which the agentic runtime test runs (its workers see this distribution through ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -155,3 +155,33 @@ class TestLM:
 
     def materialize(self, cache_dir):
         raise NotImplementedError
+
+
+class FlakyCalculator:
+    """The built-in calculator, except that trajectory sample 1 of every prompt raises in ``step`` and
+    sample 2 hangs there (longer than any tool timeout a test sets): environment failures in a run."""
+
+    class Config(_Options):
+        hang_s: float = Field(30.0, gt=0.0)
+        """How long the hanging step sleeps."""
+
+    def __init__(self, config: Config) -> None:
+        from relax_plugins.environments.calculator import CalculatorEnvironment
+
+        self.config = config
+        self.calculator = CalculatorEnvironment(CalculatorEnvironment.Config())
+
+    def tools(self):
+        return self.calculator.tools()
+
+    def start(self, task):
+        return {"sample": task.sample, "inner": self.calculator.start(task)}
+
+    def step(self, state, turn):
+        import time
+
+        if state["sample"] == 1:
+            raise ConnectionError("the calculator service went away")
+        if state["sample"] == 2:
+            time.sleep(self.config.hang_s)
+        return self.calculator.step(state["inner"], turn)

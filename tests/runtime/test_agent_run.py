@@ -1,0 +1,72 @@
+"""``relax run`` of agentic specs on a real local Ray with the real TransferQueue bus: the tiny agent
+preset learns to use its calculator, and environment calls that fail end only their trajectories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relax import testing
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+TESTKIT = Path(__file__).parents[1] / "spec" / "testkit"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One Ray for the module; its processes (and this one's registry) also see the test plugins,
+    among them ``flaky_calculator``."""
+    import os
+
+    import relax.registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(TESTKIT))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(TESTKIT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        mp.setattr(relax.registry, "_default", None)  # rediscover with the test plugins
+        with testing.local_ray():
+            yield
+
+
+def run(tmp_path: Path, name: str, *overrides: str):
+    return testing.tiny_run(tmp_path, name, *overrides, preset="tiny-agent-cpu")
+
+
+def test_the_tiny_agent_preset_learns_to_use_its_tool(local_ray, tmp_path: Path) -> None:
+    # The preset as it is (separate mode, max_staleness 1), shortened; tracing on to see the turns.
+    code, rows, _ = run(tmp_path, "learns", "trainer.steps=14", "tracing.exporter=jsonl")
+    assert code == 0, rows
+    rewards = [r["reward/mean"] for r in rows]
+    calls = [r["agent/tool_calls_mean"] for r in rows]
+    assert sum(rewards[:2]) / 2 <= 0.3, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.6, rewards
+    assert sum(calls[:2]) / 2 <= 0.4 and sum(calls[-3:]) / 3 >= 0.8, calls
+    for row in rows:
+        assert row["samples/consumed"] == 128 * row["step"] and row["samples/regenerated"] == 0
+        assert row["agent/turns_mean"] >= 1 and 0 <= row["agent/truncated_frac"] <= 1
+    spans = [json.loads(line) for line in (tmp_path / "learns" / "traces.jsonl").read_text().splitlines()]
+    names = {s["name"] for s in spans}
+    assert {"relax.agent.turn", "relax.agent.tool_call"} <= names
+    batches = {s["span_id"] for s in spans if s["name"] == "relax.rollout.batch"}
+    turns = [s for s in spans if s["name"] == "relax.agent.turn"]
+    assert turns and all(s["parent_id"] in batches for s in turns)
+
+
+def test_an_environment_that_raises_or_hangs_ends_only_its_trajectories(local_ray, tmp_path: Path) -> None:
+    # flaky_calculator: sample 1 of each prompt raises in its first step, sample 2 hangs past the
+    # tool timeout. Those trajectories end with an error and keep their place with a zero loss mask;
+    # the others go on as usual, and the run goes on, each row counted once.
+    code, rows, _ = run(tmp_path, "flaky", "trainer.steps=3", "roles.rollout.agent.environment=flaky_calculator",
+                        "roles.rollout.agent.tool_timeout_s=1")
+    assert code == 0, rows
+    assert len(rows) == 3
+    for row in rows:
+        assert row["agent/tool_errors"] >= 32  # 16 prompts x (one raising + one hanging trajectory)
+        assert row["samples/consumed"] == 128 * row["step"] and row["samples/regenerated"] == 0
+        assert row["train/tokens"] > 0
+        # the hanging calls were given up at their 1 s limit, together: the step did not wait 16 x 30 s
+        assert row["time/rollout_s"] < 15
