@@ -483,6 +483,9 @@ def _tools(raw: Any) -> tuple[list[ToolSpec], str]:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    #: Connections waiting to be accepted: every trajectory of a unit may connect at once (the
+    #: standard library's 5 refuses most of a batch of agent programs).
+    request_queue_size = 1024
     driver: ProgramDriver
 
 

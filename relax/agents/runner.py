@@ -195,6 +195,7 @@ def run_trajectories(tasks: list[AgentTask], driver: Driver, generate: Callable[
     stats = {"agent_turns": sum(len(t.turns) for t in trajectories) / count,
              "agent_tool_calls": sum(t.tool_calls for t in trajectories) / count,
              "agent_tool_errors": float(sum(t.tool_errors + (t.error is not None) for t in trajectories)),
+             "agent_failed": float(sum(t.error is not None for t in trajectories)),
              "agent_env_s": sum(t.env_s for t in trajectories),
              "agent_truncated": sum(t.truncated for t in trajectories) / count,
              "agent_trajectories": float(len(trajectories)), "agent_generate_calls": float(batcher.calls),

@@ -52,7 +52,8 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         row["data/skipped_samples"] = rollout["skipped_samples"]
     if "agent_turns" in rollout:  # agentic rollouts: per trajectory, over the step
         row.update({"agent/turns_mean": rollout["agent_turns"], "agent/tool_calls_mean": rollout["agent_tool_calls"],
-                    "agent/tool_errors": rollout["agent_tool_errors"], "agent/env_s": rollout["agent_env_s"],
+                    "agent/tool_errors": rollout["agent_tool_errors"], "agent/failed": rollout["agent_failed"],
+                    "agent/env_s": rollout["agent_env_s"],
                     "agent/truncated_frac": rollout["agent_truncated"]})
     if "sampling_rounds" in rollout:  # dynamic sampling (dapo)
         row["sampling/rounds"] = rollout["sampling_rounds"]

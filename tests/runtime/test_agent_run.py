@@ -26,7 +26,9 @@ def local_ray():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(TESTKIT))
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(TESTKIT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        # the repository root too: the gateway test's agent program is tests.agents.calculator_program
+        paths = [str(TESTKIT), str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
         mp.setattr(relax.registry, "_default", None)  # rediscover with the test plugins
         with testing.local_ray():
             yield
@@ -65,8 +67,26 @@ def test_an_environment_that_raises_or_hangs_ends_only_its_trajectories(local_ra
     assert code == 0, rows
     assert len(rows) == 3
     for row in rows:
-        assert row["agent/tool_errors"] >= 32  # 16 prompts x (one raising + one hanging trajectory)
+        # 16 prompts x (one raising + one hanging trajectory), but for those whose first turn was cut
+        # at its budget (truncated: they never reach step)
+        assert 24 <= row["agent/failed"] <= 32 and row["agent/tool_errors"] >= row["agent/failed"]
         assert row["samples/consumed"] == 128 * row["step"] and row["samples/regenerated"] == 0
         assert row["train/tokens"] > 0
         # the hanging calls were given up at their 1 s limit, together: the step did not wait 16 x 30 s
         assert row["time/rollout_s"] < 15
+
+
+def test_an_agent_program_drives_the_policy_through_the_gateway(local_ray, tmp_path: Path) -> None:
+    # The same task, driven by a program written against the OpenAI client instead of an environment.
+    code, rows, _ = run(tmp_path, "gateway", "trainer.steps=2", "placement.mode=colocate",
+                        "async_policy.max_staleness=0", "roles.rollout.agent.environment=null",
+                        "roles.rollout.agent.gateway.program=tests.agents.calculator_program:solve")
+    assert code == 0, rows
+    assert len(rows) == 2
+    for row in rows:
+        assert row["agent/failed"] == 0 and row["train/tokens"] > 0
+        assert row["samples/consumed"] == 128 * row["step"]
+    # the model called the calculator in some trajectories (a quarter of the time at first) and
+    # answered right after it, as with the environment
+    assert max(r["agent/turns_mean"] for r in rows) > 1.1
+    assert max(r["reward/mean"] for r in rows) > 0.1

@@ -290,7 +290,7 @@ def merge_unit_stats(units: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 #: Agentic unit stats that add up over a step's units, and those that are means per trajectory.
-AGENT_TOTALS = ("agent_tool_errors", "agent_env_s", "agent_trajectories", "agent_generate_calls")
+AGENT_TOTALS = ("agent_tool_errors", "agent_failed", "agent_env_s", "agent_trajectories", "agent_generate_calls")
 AGENT_MEANS = ("agent_turns", "agent_tool_calls", "agent_truncated")
 
 
