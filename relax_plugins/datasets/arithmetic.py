@@ -11,6 +11,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax_plugins.datasets.seeded import item_rng
+
 Operation = Literal["+", "-", "*"]
 
 
@@ -50,9 +52,5 @@ class ArithmeticDataset:
         return self.config.size
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        size = self.config.size
-        if not -size <= index < size:
-            raise IndexError(f"index {index} is out of range for {size} problems")
-        index %= size
-        rng = random.Random(f"relax-arithmetic:{self.config.seed}:{index}")
+        index, rng = item_rng("arithmetic", self.config.seed, self.config.size, index)
         return arithmetic_problem(rng, self.config.max_operand, list(self.config.operations))

@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax_plugins.datasets.seeded import item_rng
+
 OmniKind = Literal["image", "audio", "video"]
 COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 70, 220)}
 SAMPLE_RATE = 16000
@@ -128,12 +130,8 @@ class OmniDataset:
         return self.config.size
 
     def problem(self, index: int) -> dict[str, Any]:
-        size = self.config.size
-        if not -size <= index < size:
-            raise IndexError(f"index {index} is out of range for {size} problems")
-        index %= size
         kinds = self.config.kinds
-        rng = random.Random(f"relax-omni:{self.config.seed}:{index}")
+        index, rng = item_rng("omni", self.config.seed, self.config.size, index)
         return {"index": index, **omni_problem(rng, kinds[index % len(kinds)])}
 
     def __getitem__(self, index: int) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from relax_plugins.datasets.seeded import item_rng
+
 
 def product_problem(rng: random.Random, left_digits: list[int], right_digits: list[int]) -> dict[str, str]:
     """One problem ``{"prompt": "a*b=", "answer": str(a * b)}``; the digit count of each operand is
@@ -62,9 +64,5 @@ class ProductsDataset:
         return self.config.size
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        size = self.config.size
-        if not -size <= index < size:
-            raise IndexError(f"index {index} is out of range for {size} problems")
-        index %= size
-        rng = random.Random(f"relax-products:{self.config.seed}:{index}")
+        index, rng = item_rng("products", self.config.seed, self.config.size, index)
         return product_problem(rng, list(self.config.left_digits), list(self.config.right_digits))
