@@ -235,8 +235,12 @@ PARALLELISM = frozenset({"dp", "tp", "pp", "cp", "ep"})
 #: Token columns of other model roles an advantage estimator may read (its ``needs``): the
 #: critic's ``values`` and the reference's ``ref_logprobs``.
 TOKEN_COLUMNS = frozenset({"ref_logprobs", "values"})
-#: ``async_policy.correction`` values a loss may honour.
-CORRECTIONS = frozenset({"none", "tis", "decoupled"})
+#: ``async_policy.correction`` values a loss may honour (``relax.algo.corrections``).
+CORRECTIONS = frozenset({"none", "tis", "decoupled", "seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop",
+                         "opsm"})
+#: The corrections whose weight is a function of the proximal / behaviour ratio: they need the
+#: proximal log-probs of ``roles.actor_fwd`` (without them that ratio is 1 and they do nothing).
+PROXIMAL_CORRECTIONS = frozenset({"decoupled", "seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop"})
 
 
 def _is_bool(value: Any) -> bool:
@@ -459,6 +463,9 @@ class TrainerContext(ContextData):
     media: MediaInfo | None = None
     value_clip: float | None = 0.2
     """The critic's value clip (``algorithm.value_clip``; None: unclipped)."""
+    mismatch_ratio_bound: float = 2.0
+    """``async_policy.mismatch.ratio_bound``: a token counts in the actor's ``mismatch/frac_over``
+    when its trainer / rollout ratio is outside ``[1/bound, bound]`` (``relax.algo.mismatch``)."""
     device: str = "cpu"
     seed: int = 0
     loss: Any = Field(None, exclude=True)
@@ -481,9 +488,22 @@ class AlgorithmContext(ContextData):
     entropy_coef: float = 0.0
     loss_aggregation: str | None = None
     """How per-token losses are reduced; None: ``token-mean``."""
-    correction: Literal["none", "tis", "decoupled"] = "tis"
-    """``async_policy.correction``."""
+    correction: Literal["none", "tis", "decoupled", "seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop",
+                        "opsm"] = "tis"
+    """``async_policy.correction`` (``relax.algo.corrections``)."""
     tis_cap: float = 2.0
+    """The weight cap of tis, decoupled and seq_tis."""
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    """The ratio band ``[mis_low, mis_high]`` token_mis and seq_mis keep."""
+    geo_low: float = 0.999
+    geo_high: float = 1.001
+    """The geometric-mean sequence ratio band geo_reject keeps."""
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    """The token ratio band icepop keeps."""
+    opsm_delta: float = 0.05
+    """opsm's drift bound on a negative-advantage sequence's mean log(behaviour / policy)."""
     max_new_tokens: int = 8
     """The rollout's generation budget (the constant denominator of ``seq-mean-token-sum-norm``)."""
 

@@ -10,7 +10,14 @@ truncated importance weight ``w_t = min(exp(old_t - behaviour_t), tis_cap)`` (de
 ``l_t`` to correct for samples drawn by a behaviour policy other than the proximal one (the
 ``tis`` and ``decoupled`` corrections). Metrics are token means over the mask whatever the
 aggregation, so they read the same under every mode. Masked-out entries never contribute, even
-when NaN, and a fully masked batch gives a loss of 0 with a gradient of 0.
+when NaN, and a fully masked batch gives a loss of 0 with a gradient of 0. A loss may instead be
+given ``weight``, the per-token weight of any ``async_policy.correction``
+(``relax.algo.corrections``; 0 on the tokens a correction drops).
+
+Numeric guard: every log-ratio that goes into an ``exp`` (policy / proximal and proximal /
+behaviour) is clamped to ``+-POLICY_LOG_RATIO_BOUND`` first, with zero gradient past the bound.
+Without it a negative-advantage token at log-ratio 30 costs 1e13 with dual clip off, and at 90 the
+ratio overflows float32, so the loss and every gradient of the batch become inf or NaN.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "AGGREGATIONS",
+    "POLICY_LOG_RATIO_BOUND",
     "LossAggregation",
     "aggregate",
     "cispo_loss",
@@ -37,6 +45,13 @@ __all__ = [
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                  "seq-mean-token-sum-norm")
+
+#: Every policy loss clamps its log-ratios to ``[-POLICY_LOG_RATIO_BOUND, POLICY_LOG_RATIO_BOUND]``
+#: before ``exp``: the largest ratio is then e^20 (about 4.85e8), finite in float32 and bfloat16 even
+#: times a large advantage, and a token past the bound gets no gradient through its ratio. Any
+#: healthy token is many orders of magnitude inside it (PPO's clip acts at log-ratio ~0.2), so it
+#: changes nothing but the outliers that would otherwise turn a whole step's gradient into inf/NaN.
+POLICY_LOG_RATIO_BOUND = 20.0
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -81,11 +96,25 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", norm_token
 
 def importance_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor | None, mask: Tensor,
                       tis_cap: float | None) -> Tensor:
-    """``min(exp(old - behaviour), tis_cap)`` per token, detached; 1 without a cap or behaviour."""
+    """``min(exp(old - behaviour), tis_cap)`` per token, detached; 1 without a cap or behaviour.
+    The log-ratio is clamped to ``+-POLICY_LOG_RATIO_BOUND`` before ``exp``."""
     if tis_cap is None or behaviour_logprobs is None:
         return torch.ones_like(old_logprobs)
     gap = torch.where(mask > 0, old_logprobs - behaviour_logprobs, torch.zeros_like(old_logprobs))
+    gap = gap.clamp(-POLICY_LOG_RATIO_BOUND, POLICY_LOG_RATIO_BOUND)
     return torch.exp(gap).clamp(max=tis_cap).detach()
+
+
+def _weight(weight: Tensor | None, old_logprobs: Tensor, behaviour_logprobs: Tensor | None, mask: Tensor,
+            tis_cap: float | None) -> Tensor:
+    """The per-token correction weight a loss multiplies by: ``weight`` when given (detached),
+    else the truncated IS weight of ``behaviour_logprobs`` and ``tis_cap``."""
+    if weight is not None:
+        if weight.shape != old_logprobs.shape:
+            raise ValueError(f"the correction weight has shape {tuple(weight.shape)} but the log-probs have "
+                             f"{tuple(old_logprobs.shape)}; give one weight per token")
+        return weight.detach().to(old_logprobs.dtype)
+    return importance_weight(old_logprobs, behaviour_logprobs, mask, tis_cap)
 
 
 def _token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
@@ -98,8 +127,10 @@ def _token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
 
 
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, on: Tensor) -> Tensor:
-    # Keep masked entries finite so that nothing there can leak a NaN into the sum or the gradient.
-    return torch.where(on, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    """``logprobs - old`` clamped to ``+-POLICY_LOG_RATIO_BOUND`` (no gradient past it); masked
+    entries are 0, so nothing there can leak a NaN into the sum or the gradient."""
+    log_ratio = torch.where(on, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    return log_ratio.clamp(-POLICY_LOG_RATIO_BOUND, POLICY_LOG_RATIO_BOUND)
 
 
 def _ratio_metrics(ratio: Tensor, log_ratio: Tensor, weight: Tensor, mask: Tensor) -> dict[str, float]:
@@ -123,6 +154,7 @@ def ppo_clip_loss(
     clip_c: float | None = None,
     aggregation: str = "token-mean",
     norm_tokens: int | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip with an asymmetric clip range, an optional dual clip and truncated IS.
 
@@ -136,7 +168,9 @@ def ppo_clip_loss(
 
     ``clip_high > clip_low`` is DAPO's clip-higher. The dual clip (Ye et al. 2020) bounds the loss
     of a negative-advantage token whose ratio has grown past ``clip_c`` (> 1), where plain PPO's
-    loss is unbounded. ``w_t = 1`` when ``tis_cap`` is None or no ``behaviour_logprobs`` are given.
+    loss is unbounded. ``w_t = 1`` when ``tis_cap`` is None or no ``behaviour_logprobs`` are given;
+    a given ``weight`` (any ``async_policy.correction``, ``relax.algo.corrections``) replaces ``w_t``.
+    The log-ratio is clamped to ``+-POLICY_LOG_RATIO_BOUND`` (see the module docstring).
 
     Metrics (token means): ``clip_fraction`` (share of tokens whose gradient a clip cuts),
     ``dual_clip_fraction`` (with ``clip_c``), ``approx_kl`` (k3 of KL(old || new):
@@ -155,7 +189,7 @@ def ppo_clip_loss(
         bound = -advantages * clip_c
         dual = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual, bound, per_token)
-    weight = importance_weight(old_logprobs, behaviour_logprobs, mask, tis_cap)
+    weight = _weight(weight, old_logprobs, behaviour_logprobs, mask, tis_cap)
     loss = aggregate(per_token * weight, mask, aggregation, norm_tokens)
 
     with torch.no_grad():
@@ -179,6 +213,7 @@ def gspo_loss(
     *,
     aggregation: str = "seq-mean-token-mean",
     norm_tokens: int | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO-clip on the length-normalised sequence ratio.
 
@@ -207,7 +242,7 @@ def gspo_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    weight = importance_weight(old_logprobs, behaviour_logprobs, mask, tis_cap)
+    weight = _weight(weight, old_logprobs, behaviour_logprobs, mask, tis_cap)
     loss = aggregate(per_token * weight, mask, aggregation, norm_tokens)
 
     with torch.no_grad():
@@ -230,6 +265,7 @@ def cispo_loss(
     *,
     aggregation: str = "token-mean",
     norm_tokens: int | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, 2025): a clipped, stop-gradient importance weight times the log-prob.
 
@@ -254,7 +290,7 @@ def cispo_loss(
     clipped_weight = torch.clamp(ratio, min=low, max=1.0 + clip_high).detach()
     kept_logprobs = torch.where(on, logprobs, torch.zeros_like(logprobs))
     per_token = -clipped_weight * advantages * kept_logprobs
-    weight = importance_weight(old_logprobs, behaviour_logprobs, mask, tis_cap)
+    weight = _weight(weight, old_logprobs, behaviour_logprobs, mask, tis_cap)
     loss = aggregate(per_token * weight, mask, aggregation, norm_tokens)
 
     with torch.no_grad():
@@ -276,6 +312,7 @@ def sapo_loss(
     *,
     aggregation: str = "token-mean",
     norm_tokens: int | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """SAPO (Gao et al. 2025): a soft, temperature-controlled gate in place of PPO's hard clip.
 
@@ -302,7 +339,7 @@ def sapo_loss(
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     per_token = -(4.0 / tau) * gate * advantages
-    weight = importance_weight(old_logprobs, behaviour_logprobs, mask, tis_cap)
+    weight = _weight(weight, old_logprobs, behaviour_logprobs, mask, tis_cap)
     loss = aggregate(per_token * weight, mask, aggregation, norm_tokens)
 
     with torch.no_grad():

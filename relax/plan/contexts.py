@@ -79,14 +79,18 @@ def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cp
                           updates_per_step=spec.algorithm.updates_per_step,
                           sampling_temperature=spec.roles.rollout.sampling.temperature,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
-                          value_clip=spec.algorithm.value_clip, device=device, seed=spec.seed, loss=loss)
+                          value_clip=spec.algorithm.value_clip,
+                          mismatch_ratio_bound=spec.async_policy.mismatch.ratio_bound, device=device,
+                          seed=spec.seed, loss=loss)
 
 
 def algorithm_context(spec: RunSpec) -> AlgorithmContext:
     """What the run's advantage estimator and loss are built with."""
-    algo = spec.algorithm
+    algo, policy = spec.algorithm, spec.async_policy
     return AlgorithmContext(clip_low=algo.clip.low, clip_high=algo.clip.high, clip_c=algo.clip.c,
                             kl_coef=algo.kl_coef, kl_in=algo.kl_in, kl_estimator=algo.kl_estimator,
                             entropy_coef=algo.entropy_coef, loss_aggregation=algo.loss_aggregation,
-                            correction=spec.async_policy.correction, tis_cap=spec.async_policy.tis_cap,
-                            max_new_tokens=spec.roles.rollout.sampling.max_new_tokens)
+                            correction=policy.correction, tis_cap=policy.tis_cap, mis_low=policy.mis_low,
+                            mis_high=policy.mis_high, geo_low=policy.geo_low, geo_high=policy.geo_high,
+                            icepop_low=policy.icepop_low, icepop_high=policy.icepop_high,
+                            opsm_delta=policy.opsm_delta, max_new_tokens=spec.roles.rollout.sampling.max_new_tokens)

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Modality = Literal["text", "image", "audio", "video"]
 DType = Literal["float32", "bfloat16", "float16"]
 PlacementMode = Literal["colocate", "separate", "hybrid"]
-Correction = Literal["none", "tis", "decoupled"]
+Correction = Literal["none", "tis", "decoupled", "seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop", "opsm"]
+MismatchAction = Literal["warn", "stop"]
 TracingExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
@@ -484,18 +485,69 @@ class PlacementSpec(Section):
     actor's pool."""
 
 
+class MismatchSpec(Section):
+    """The rollout-trainer mismatch figures (``mismatch/*`` in metrics.jsonl) and their alarm."""
+
+    ratio_bound: float = Field(2.0, gt=1.0)
+    """A token counts in mismatch/frac_over when its trainer / rollout probability ratio is outside
+    [1/ratio_bound, ratio_bound] (2: the TIS cap of Yao et al. 2025)."""
+    kl_alarm: float | None = Field(0.05, gt=0.0)
+    """mismatch/kl above this raises the alarm (a console line, a mismatch_alarm attribute on the
+    train_step span, and with action stop the end of the run); null: no alarm. Healthy engines on
+    the same weights stay around 1e-3 or below."""
+    action: MismatchAction = "warn"
+    """What the alarm does: warn (console line and trace) or stop (also ends the run with an error
+    naming the step and the value)."""
+
+
 class AsyncPolicySpec(Section):
-    """The staleness bound between generation and training."""
+    """The staleness bound between generation and training, and the off-policy correction."""
 
     max_staleness: int = Field(1, ge=0)
     """A sample made by policy version v is trained at step t only if t - v <= max_staleness;
     0 is strictly on-policy."""
     correction: Correction = "tis"
-    """Off-policy correction: none, tis (truncated importance sampling against the behaviour
-    log-probs) or decoupled (the ratio against proximal log-probs recomputed by actor_fwd, times
-    the truncated weight proximal / behaviour)."""
+    """Off-policy correction (docs/off-policy.md), each a per-token weight on the loss from the
+    ratio rho = proximal / behaviour: none; tis (min(rho, tis_cap)); decoupled (the ratio against
+    proximal log-probs recomputed by actor_fwd, times the tis weight); seq_tis (the sequence ratio,
+    capped at tis_cap); token_mis / seq_mis (masked IS: tokens / sequences whose ratio is outside
+    [mis_low, mis_high] are dropped); geo_reject (sequences whose geometric-mean ratio is outside
+    [geo_low, geo_high] are dropped); icepop (tokens outside [icepop_low, icepop_high] dropped);
+    opsm (negative-advantage sequences that drifted more than opsm_delta are dropped). All but none,
+    tis and opsm need roles.actor_fwd."""
     tis_cap: float = Field(2.0, gt=0.0)
-    """Upper truncation of the importance weight in tis and decoupled."""
+    """Upper truncation of the importance weight in tis, decoupled and seq_tis (2: Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training")."""
+    mis_low: float = Field(0.5, ge=0.0)
+    """Lower bound of the ratio kept by token_mis and seq_mis (0.5 = 1 / mis_high; 0 keeps every
+    ratio below mis_high, the one-sided form)."""
+    mis_high: float = Field(2.0, gt=0.0)
+    """Upper bound of the ratio kept by token_mis and seq_mis (2: the threshold C of Liu et al.
+    2025, "When speed kills stability")."""
+    geo_low: float = Field(0.999, ge=0.0)
+    """Lower bound of the geometric-mean sequence ratio kept by geo_reject (a per-token average, so
+    the band is far narrower than a token band)."""
+    geo_high: float = Field(1.001, gt=0.0)
+    """Upper bound of the geometric-mean sequence ratio kept by geo_reject."""
+    icepop_low: float = Field(0.5, ge=0.0)
+    """Lower bound of the token ratio kept by icepop (0.5: IcePop, Ring-1T 2025)."""
+    icepop_high: float = Field(5.0, gt=0.0)
+    """Upper bound of the token ratio kept by icepop (5: IcePop, Ring-1T 2025)."""
+    opsm_delta: float = Field(0.05, gt=0.0)
+    """opsm drops a negative-advantage sequence when its mean log(behaviour / current policy)
+    exceeds this. DeepSeek-V3.2 publishes no value; 0.05 sits well above the on-policy round-off
+    (mismatch/kl ~1e-3) so it drops only truly drifted samples."""
+    mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
+    """The mismatch/* metrics and their alarm."""
+
+    @model_validator(mode="after")
+    def _bands(self) -> AsyncPolicySpec:
+        for name in ("mis", "geo", "icepop"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if low >= high:
+                raise ValueError(f"{name}_low ({low}) must be below {name}_high ({high}); the band of "
+                                 "ratios kept is [low, high]")
+        return self
 
 
 class TrainerSpec(Section):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax.contracts import PluginKind
+from relax.contracts import PROXIMAL_CORRECTIONS, PluginKind
 from relax.registry import PluginError, Registry, trait
 from relax.spec.algorithms import ALGORITHMS
 from relax.spec.architecture import BUILTIN_PREFIX, ModelArchitecture
@@ -235,7 +235,7 @@ def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
 
 @rule("placement", "async_policy", "roles", "algorithm")
 def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
-    """Colocated runs are on-policy; decoupled correction needs the proximal policy role; a part
+    """Colocated runs are on-policy; a correction of the proximal ratio needs the proximal policy role; a part
     without an importance ratio bounds the staleness, and the loss honours the correction."""
     staleness = spec.async_policy.max_staleness
     if spec.placement.mode == "colocate" and staleness != 0:
@@ -243,9 +243,11 @@ def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         f"{staleness} is not possible in colocate mode (rollout and training alternate)",
                         "set it to 0, or use placement.mode separate or hybrid for asynchronous training")
     correction = spec.async_policy.correction
-    if correction == "decoupled" and spec.roles.actor_fwd is None:
-        yield SpecIssue("async_policy.correction", "decoupled needs proximal log-probs from roles.actor_fwd",
-                        "add a roles.actor_fwd block, or use correction tis")
+    if correction in PROXIMAL_CORRECTIONS and spec.roles.actor_fwd is None:
+        yield SpecIssue("async_policy.correction",
+                        f"{correction} needs proximal log-probs from roles.actor_fwd (its weight is a function of "
+                        "the proximal / behaviour ratio, which is 1 without them)",
+                        "add a roles.actor_fwd block, or use correction tis or opsm")
     advantage, loss = advantage_and_loss(spec)
     parts = [("advantage", PluginKind.advantages, advantage), ("loss", PluginKind.losses, loss)]
     for what, kind, name in parts:

@@ -31,9 +31,9 @@ class CISPOLoss(PolicyLoss):
         self.clip_low = float(context.clip_low) if config.truncate_low else None
         self.clip_high = float(context.clip_high)
 
-    def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
+    def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import cispo_loss
 
         return cispo_loss(logprobs, old, batch.advantages, batch.response_mask, self.clip_low,
-                          self.clip_high, behaviour_logprobs=batch.rollout_logprobs, tis_cap=self.tis_cap,
+                          self.clip_high, weight=weight,
                           aggregation=self.aggregation, norm_tokens=self.norm_tokens)

@@ -18,7 +18,7 @@ class PolicyGradientLoss(PolicyLoss):
     tolerated_staleness: ClassVar[int | None] = 0
     corrections: ClassVar[frozenset[str]] = frozenset({"none"})
 
-    def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
+    def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import pg_loss
 
         return pg_loss(logprobs, batch.advantages, batch.response_mask, aggregation=self.aggregation,

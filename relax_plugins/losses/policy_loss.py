@@ -11,8 +11,8 @@ trained policy's token log-probs ``[B, T]``::
 all three aggregated by ``algorithm.loss_aggregation`` (exposed as ``aggregation``, which trainers
 read to weight micro-batches: by response tokens for ``token-mean``, by rows otherwise).
 
-The proximal ("old") policy of the ratio and the importance weight follow
-``async_policy.correction``:
+The proximal ("old") policy of the ratio and the per-token correction weight follow
+``async_policy.correction`` (the formulas: ``relax.algo.corrections``, docs/off-policy.md):
 
 * ``none``: the ratio against ``batch.old_logprobs`` if recomputed, else the behaviour log-probs;
   no weight.
@@ -21,6 +21,15 @@ The proximal ("old") policy of the ratio and the importance weight follow
   (``batch.old_logprobs``, required), times the truncated behaviour weight
   ``min(exp(old - behaviour), tis_cap)``: the clip trusts the proximal policy and the weight
   corrects for the stale behaviour policy that drew the samples (Hilton et al. 2021).
+* ``seq_tis``, ``token_mis``, ``seq_mis``, ``geo_reject``, ``icepop``: like ``decoupled`` (the
+  proximal log-probs are required), with that correction's weight of proximal / behaviour; the
+  tokens and sequences a correction drops weigh 0.
+* ``opsm``: the ratio as for ``none``; negative-advantage sequences whose behaviour policy is more
+  than ``opsm_delta`` away from the policy being trained weigh 0.
+
+Loss metrics add ``correction_kept_frac``, the share of response tokens the correction left a
+nonzero weight (1 for the corrections that only reweight). The KL and entropy terms are not
+weighted: they regularise the policy on every token.
 
 torch is imported inside methods so ``relax validate`` can import the module.
 """
@@ -32,7 +41,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from relax.contracts import AlgorithmContext
+from relax.contracts import CORRECTIONS, PROXIMAL_CORRECTIONS, AlgorithmContext
 
 
 class PolicyLoss(ABC):
@@ -41,8 +50,9 @@ class PolicyLoss(ABC):
     #: Most ``async_policy.max_staleness`` the loss is sound for; None: any (it has an importance
     #: ratio against the behaviour or proximal policy). ``relax validate`` rejects a larger bound.
     tolerated_staleness: ClassVar[int | None] = None
-    #: The ``async_policy.correction`` values the loss honours.
-    corrections: ClassVar[frozenset[str]] = frozenset({"none", "tis", "decoupled"})
+    #: The ``async_policy.correction`` values the loss honours: every one of the menu, since the
+    #: weight multiplies the per-token loss whatever it is.
+    corrections: ClassVar[frozenset[str]] = CORRECTIONS
     #: Whether ``compute`` must be given per-token entropy; the instance sets it from its context
     #: (``algorithm.entropy_coef > 0``).
     needs_entropy: bool = False
@@ -64,22 +74,33 @@ class PolicyLoss(ABC):
         self.needs_entropy = self.entropy_coef > 0
         self.correction = context.correction
         self.tis_cap = float(context.tis_cap) if self.correction in ("tis", "decoupled") else None
+        self.bounds = _bounds(context)
+        """The bounds of every correction (``relax.algo.corrections.CorrectionBounds``, as plain data)."""
         if self.correction not in self.corrections:
             raise ValueError(f"loss {type(self).__name__} does not honour async_policy.correction "
                              f"'{self.correction}' (it honours {', '.join(sorted(self.corrections))})")
 
     def proximal(self, batch: Any) -> Any:
         """The log-probs the ratio is taken against (see the module docstring)."""
-        if self.correction == "decoupled":
+        if self.correction in PROXIMAL_CORRECTIONS:
             if batch.old_logprobs is None:
-                raise ValueError("async_policy.correction is decoupled but the batch has no old_logprobs; "
+                raise ValueError(f"async_policy.correction is {self.correction} but the batch has no old_logprobs; "
                                  "the proximal log-probs of roles.actor_fwd must be attached to the batch")
             return batch.old_logprobs
         return batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
 
+    def weight(self, batch: Any, logprobs: Any, old: Any) -> Any:
+        """The correction's detached per-token weight ``[B, T]`` (None for ``none``)."""
+        from relax.algo.corrections import CorrectionBounds, correction_weight
+
+        return correction_weight(self.correction, logprobs=logprobs, proximal=old, behaviour=batch.rollout_logprobs,
+                                 advantages=batch.advantages, mask=batch.response_mask,
+                                 bounds=CorrectionBounds(**self.bounds))
+
     @abstractmethod
-    def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
-        """The aggregated policy loss and its metrics, the ratio taken against ``old``."""
+    def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
+        """The aggregated policy loss and its metrics, the ratio taken against ``old`` and each
+        token's term multiplied by ``weight`` (the correction's; None: 1)."""
 
     def compute(self, batch: Any, logprobs: Any, *, entropy: Any = None) -> tuple[Any, dict[str, float]]:
         """``(loss, metrics)`` for token log-probs ``logprobs[B, T]`` of the policy being trained;
@@ -88,8 +109,12 @@ class PolicyLoss(ABC):
         from relax.algo.kl import kl_divergence
         from relax.algo.losses import aggregate, masked_mean
 
-        loss, metrics = self.surrogate(batch, logprobs, self.proximal(batch))
+        old = self.proximal(batch)
+        weight = self.weight(batch, logprobs, old)
+        loss, metrics = self.surrogate(batch, logprobs, old, weight)
         mask = batch.response_mask
+        if weight is not None:
+            metrics["correction_kept_frac"] = masked_mean((weight > 0).to(logprobs.dtype), mask).item()
         if self.kl_coef > 0:
             if batch.ref_logprobs is None:
                 raise ValueError(f"algorithm.kl_coef is {self.kl_coef} with kl_in loss, but the batch has no "
@@ -104,3 +129,9 @@ class PolicyLoss(ABC):
             loss = loss - self.entropy_coef * aggregate(entropy, mask, self.aggregation, self.norm_tokens)
             metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
         return loss, metrics
+
+
+def _bounds(context: AlgorithmContext) -> dict[str, float]:
+    """The correction bounds of the context, as ``CorrectionBounds`` keyword arguments."""
+    names = ("tis_cap", "mis_low", "mis_high", "geo_low", "geo_high", "icepop_low", "icepop_high", "opsm_delta")
+    return {name: float(getattr(context, name)) for name in names}

@@ -21,10 +21,9 @@ class PPOClipLoss(PolicyLoss):
         self.clip_low, self.clip_high = float(context.clip_low), float(context.clip_high)
         self.clip_c = None if context.clip_c is None else float(context.clip_c)
 
-    def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
+    def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import ppo_clip_loss
 
         return ppo_clip_loss(logprobs, old, batch.advantages, batch.response_mask, self.clip_low,
-                             self.clip_high, behaviour_logprobs=batch.rollout_logprobs,
-                             tis_cap=self.tis_cap, clip_c=self.clip_c, aggregation=self.aggregation,
+                             self.clip_high, weight=weight, clip_c=self.clip_c, aggregation=self.aggregation,
                              norm_tokens=self.norm_tokens)

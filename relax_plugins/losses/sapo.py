@@ -31,9 +31,9 @@ class SAPOLoss(PolicyLoss):
         super().__init__(config, context)
         self.tau_pos, self.tau_neg = float(config.tau_pos), float(config.tau_neg)
 
-    def surrogate(self, batch: Any, logprobs: Any, old: Any) -> tuple[Any, dict[str, float]]:
+    def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
         from relax.algo.losses import sapo_loss
 
         return sapo_loss(logprobs, old, batch.advantages, batch.response_mask, self.tau_pos, self.tau_neg,
-                         behaviour_logprobs=batch.rollout_logprobs, tis_cap=self.tis_cap,
+                         weight=weight,
                          aggregation=self.aggregation, norm_tokens=self.norm_tokens)

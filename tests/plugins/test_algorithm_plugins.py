@@ -88,6 +88,32 @@ def test_decoupled_correction_uses_the_proximal_policy_and_the_behaviour_weight(
     assert old.grad is None or old.grad.abs().sum().item() == 0.0  # neither the ratio's base nor the weight
 
 
+def test_a_menu_correction_reads_its_bounds_from_the_spec_and_drops_tokens():
+    # icepop with band [0.5, 2]: a proximal policy 3x likelier than the behaviour one is dropped,
+    # one 1.5x likelier is kept with weight 1.5; without proximal log-probs the loss refuses.
+    spec = RunSpec.model_validate({"name": "t", "async_policy": {"correction": "icepop", "icepop_low": 0.5,
+                                                                 "icepop_high": 2.0}})
+    loss = _build("losses", "gspo", spec)
+    batch = _batch(1.0, behaviour=-2.0)
+    with pytest.raises(ValueError, match="icepop but the batch has no old_logprobs"):
+        loss.compute(batch, torch.zeros_like(batch.rollout_logprobs))
+    for rho, kept in ((3.0, 0.0), (1.5, 1.0)):
+        old = torch.zeros_like(batch.rollout_logprobs)
+        old[0, 2] = -2.0 + math.log(rho)
+        value, metrics = _build("losses", "ppo_clip", spec).compute(batch.with_fields(old_logprobs=old), old.clone())
+        assert metrics["correction_kept_frac"] == kept
+        assert value.item() == pytest.approx(-1.0 * rho * kept)
+
+
+def test_every_policy_loss_honours_the_menu_but_pg():
+    from relax.contracts import CORRECTIONS
+
+    registry = get_registry()
+    for name in ("ppo_clip", "gspo", "cispo", "sapo"):
+        assert registry.load("losses", name).corrections == CORRECTIONS
+    assert registry.load("losses", "pg").corrections == frozenset({"none"})
+
+
 def _token_inputs(**fields):
     from relax.algo.advantages import TokenAdvantageInputs
 

@@ -63,6 +63,24 @@ def test_ppo_requires_critic(check, cpu_spec):
     assert "roles.critic" in issues["roles.critic"].remedy
 
 
+@pytest.mark.parametrize("correction", ["seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop"])
+def test_ratio_corrections_require_actor_fwd(check, cpu_spec, correction):
+    cpu_spec["async_policy"] = {"correction": correction}
+    issues = check(cpu_spec)
+    assert set(issues) == {"async_policy.correction"}
+    assert correction in issues["async_policy.correction"].message
+    assert "roles.actor_fwd" in issues["async_policy.correction"].remedy
+    cpu_spec["async_policy"] = {"correction": "opsm"}  # opsm reads the policy being trained: no proximal
+    assert check(cpu_spec) == {}
+
+
+def test_a_correction_band_must_be_ordered(check, cpu_spec):
+    cpu_spec["async_policy"] = {"correction": "opsm", "icepop_low": 5.0, "icepop_high": 0.5}
+    issues = check(cpu_spec)
+    assert [path for path in issues if path.startswith("async_policy")] == list(issues)
+    assert any("icepop_low (5.0) must be below icepop_high (0.5)" in i.message for i in issues.values())
+
+
 def test_decoupled_correction_requires_actor_fwd(check, cpu_spec):
     cpu_spec["async_policy"] = {"correction": "decoupled"}
     issues = check(cpu_spec)
