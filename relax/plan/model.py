@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.spec.models import AgentSpec, FaultToleranceSpec, TracingSpec
+from relax.spec.models import AgentSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
 
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -269,6 +269,8 @@ class RunSettings(PlanPart):
     agent: AgentSpec | None = None
     """``roles.rollout.agent``: multi-turn agentic rollouts (the environment itself is among the
     rollout's plugins); None: one response per sample."""
+    mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
+    """``async_policy.mismatch``: the alarm on the actor's ``mismatch/kl`` (relax.algo.mismatch)."""
 
 
 class RolloutWork(PlanPart):

@@ -360,4 +360,5 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
                           shuffle=data.shuffle, media_dir=None if media_dir is None else str(media_dir)),
         fault_tolerance=spec.fault_tolerance.model_copy(deep=True), tracing=spec.tracing.model_copy(deep=True),
         bus_node_resource=spec.cluster.bus_node_resource,
-        agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True))
+        agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True),
+        mismatch=spec.async_policy.mismatch.model_copy(deep=True))

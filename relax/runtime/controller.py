@@ -32,11 +32,11 @@ from relax.roles import Role
 from relax.runtime.checkpoint import resume_checkpoint
 from relax.runtime.deploy import Deployment, Slot, alive_nodes
 from relax.runtime.elastic import Elastic, ScaleRequest
-from relax.runtime.metrics import MetricsLog, Progress, step_row
+from relax.runtime.metrics import MetricsLog, Progress, mismatch_alarm, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
 from relax.runtime.startup import InBackground, StartupClock
-from relax.runtime.supervision import SUPERVISE_S, ResumeRun, Supervision
+from relax.runtime.supervision import SUPERVISE_S, ResumeRun, RunFailed, Supervision
 from relax.spec.models import RunSpec
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class Controller(Deployment, Supervision, Elastic):
         self.startup = startup or StartupClock()
         """Where the start-up time goes (printed by ``relax run`` at the end, ``startup.json``)."""
         self.faults = plan.settings.fault_tolerance
-        self.progress = Progress(plan.settings.steps, stream)
+        self.progress = Progress(plan.settings.steps, stream, plan.settings.mismatch)
         self.metrics = MetricsLog(output_dir, start_step if resume_from else None)
         self.restarts: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
@@ -260,6 +260,16 @@ class Controller(Deployment, Supervision, Elastic):
             self.telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
                                        staleness=row["staleness/max"], tokens=reports[Role.rollout]["response_tokens"])
             self.step_metrics.export(row)
+            self._mismatch_stop(row)
+
+    def _mismatch_stop(self, row: dict[str, Any]) -> None:
+        """With ``async_policy.mismatch.action: stop``, a step whose ``mismatch/kl`` is above the
+        alarm ends the run (its row is written first)."""
+        mismatch = self.settings.mismatch
+        alarm = mismatch_alarm(row, mismatch)
+        if alarm is not None and mismatch.action == "stop":
+            raise RunFailed(f"step {row['step']}: {alarm}; async_policy.mismatch.action is stop. Raise kl_alarm, "
+                            "set action: warn, or fix the mismatch (docs/off-policy.md)")
 
     def _fault_metrics(self, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
         counters = self._counters

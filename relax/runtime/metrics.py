@@ -7,6 +7,12 @@ generating; ``time/reward_s`` and ``time/advantage_s`` scoring; ``time/train_s``
 waiting for its batch; ``time/weight_sync_s`` publishing and loading weights; ``time/bus_s``
 bus calls of all roles. ``time/work_frac`` is (generating + scoring + training) / step time,
 summed over roles, so it exceeds 1 when they overlap.
+
+Mismatch keys (``relax.algo.mismatch``, from the actor's train step): ``mismatch/kl``,
+``mismatch/max_abs``, ``mismatch/frac_over`` and ``mismatch/tokens``, counted only on rows the
+rollout generated with the very weights the trainer held (stale rows are left out; a step with none
+has ``mismatch/tokens`` 0 and no other mismatch key). ``mismatch_alarm`` says when ``mismatch/kl``
+is above ``async_policy.mismatch.kl_alarm``; the progress printer then adds an alarm line.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from relax.roles import CRITIC_VALUES, STEP_ROLES, Role
+from relax.spec.models import MismatchSpec
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -46,6 +53,7 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         "data/order": rollout["data_order"],
     }
     row.update({f"train/{k}": v for k, v in actor["train"].items()})
+    row.update(actor.get("mismatch", {}))  # mismatch/* keys as they are
     # Per reward entry: mean, count, errors and time (``reward/<id>/mean`` ...).
     row.update({f"reward/{k}": v for k, v in reward.get("rewards", {}).items()})
     if "skipped_samples" in rollout:  # multimodal runs: rows replaced for bad media
@@ -91,6 +99,20 @@ class MetricsLog:
             out.write(json.dumps(row) + "\n")
 
 
+def mismatch_alarm(figures: dict[str, Any], spec: MismatchSpec | None) -> str | None:
+    """The alarm's text when ``figures['mismatch/kl']`` is above ``spec.kl_alarm``; None when it is
+    not, when no token was counted, or when the alarm is off."""
+    if spec is None or spec.kl_alarm is None:
+        return None
+    kl = figures.get("mismatch/kl")
+    if kl is None or kl <= spec.kl_alarm:
+        return None
+    return (f"mismatch/kl {kl:.4g} is above async_policy.mismatch.kl_alarm={spec.kl_alarm:g} "
+            f"(over {figures.get('mismatch/tokens', 0):.0f} tokens; largest |log-ratio| "
+            f"{figures.get('mismatch/max_abs', 0.0):.3g}): the rollout and the trainer disagree on the "
+            "same weights (see docs/off-policy.md)")
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
     if not path.is_file():
@@ -101,10 +123,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 class Progress:
     """A bar on a terminal, plain lines otherwise (logs, CI)."""
 
-    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None, mismatch: MismatchSpec | None = None) -> None:
         self.total = total
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
+        self.mismatch = mismatch
+        """``async_policy.mismatch``: a step above its ``kl_alarm`` gets an alarm line."""
 
     def update(self, row: dict[str, Any]) -> None:
         step = row["step"]
@@ -120,4 +144,8 @@ class Progress:
                 self.stream.write("\n")
         else:
             self.stream.write(f"[relax] {text}\n")
+        alarm = mismatch_alarm(row, self.mismatch)
+        if alarm is not None:
+            self.stream.write(f"{chr(10) if self.tty and step != self.total else ''}[relax] step {step}: "
+                              f"MISMATCH ALARM: {alarm}\n")
         self.stream.flush()

@@ -17,6 +17,7 @@ from relax.roles import Role
 from relax.runtime.checkpoint import save_checkpoint
 from relax.bus.records import BusBatch, RowMeta
 from relax.runtime.health import Activity
+from relax.runtime.metrics import mismatch_alarm
 from relax.runtime.role_env import RoleEnv, StalenessViolation, sample_key
 from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import WeightChannel
@@ -100,8 +101,12 @@ class ActorLoop:
             packed = TrainBatch.from_bus(batch)
             t2 = time.perf_counter()
             metrics = self.trainer.train_step(packed)
+            mismatch = {k: float(v) for k, v in metrics.items() if k.startswith("mismatch/")}
             span.set(tokens=packed.num_response_tokens, bus_bytes=sum(
-                v.numel() * v.element_size() for v in batch.fields.values() if isinstance(v, torch.Tensor)))
+                v.numel() * v.element_size() for v in batch.fields.values() if isinstance(v, torch.Tensor)),
+                **{k.replace("/", "_"): v for k, v in mismatch.items()})
+            if mismatch_alarm(mismatch, settings.mismatch) is not None:
+                span.set(mismatch_alarm=True)  # the controller prints it and, with action stop, ends the run
         t3 = time.perf_counter()
         self.version = step + 1
         with tel.span(WEIGHT_SYNC, step=step, role=Role.actor, policy_version=self.version):
@@ -117,5 +122,6 @@ class ActorLoop:
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),
                 "samples_hash": hashlib.sha1(repr(ids).encode()).hexdigest()[:12],
                 "staleness_mean": sum(lags) / len(lags),
-                "train": {k: float(v) for k, v in metrics.items()}, "end_time": time.time()}
+                "train": {k: float(v) for k, v in metrics.items() if k not in mismatch}, "mismatch": mismatch,
+                "end_time": time.time()}
 
