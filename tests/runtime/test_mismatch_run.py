@@ -50,3 +50,13 @@ def test_a_mismatch_above_the_alarm_with_stop_ends_the_run(local_ray, tmp_path: 
     err = capsys.readouterr().err
     assert "the run failed: step 1: mismatch/kl" in err
     assert "async_policy.mismatch.kl_alarm=1e-20" in err and "action is stop" in err
+
+
+def test_a_menu_correction_trains_with_the_proximal_log_probs_of_actor_fwd(local_ray, tmp_path: Path) -> None:
+    # hybrid: actor_fwd beside the actor recomputes old_logprobs; icepop weighs each token by
+    # proximal / behaviour. On-policy, the two agree to round-off: no token is dropped, weights ~1.
+    code, rows, printed = testing.tiny_run(tmp_path, "icepop", "async_policy.correction=icepop", "roles.actor_fwd={}",
+                                           "placement.mode=hybrid", "async_policy.max_staleness=0", "trainer.steps=2")
+    assert code == 0, printed
+    assert all(r["train/correction_kept_frac"] == 1.0 for r in rows)
+    assert all(r["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3) for r in rows)
