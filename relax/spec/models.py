@@ -184,6 +184,12 @@ class AlgorithmSpec(Section):
     actor's own routing from the step's first forward pass (matters with updates_per_step > 1);
     ``off`` lets the router choose. Needs an MoE model and backends that can record and replay."""
 
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare ``off`` as false: ``router_replay: off`` means "off".
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _name_defaults(self) -> "AlgorithmSpec":
         # Unset fields take the algorithm name's defaults; an unknown name is reported by the rules.

@@ -81,3 +81,10 @@ def test_the_plan_wires_routed_experts_only_for_r3(tmp_path):
         contexts = {p.name: p.context for w in plan.workers for r in w.roles for p in r.plugins if p.context}
         assert contexts["hf"]["record_routing"] is wired
         assert contexts["torch"]["router_replay"] == mode
+
+
+def test_a_bare_yaml_off_means_off():
+    raw = yaml.safe_load(PRESET.read_text())
+    raw["algorithm"].update(yaml.safe_load("router_replay: off"))
+    assert raw["algorithm"]["router_replay"] is False  # what YAML 1.1 makes of it
+    assert validate_spec(raw).algorithm.router_replay == "off"
