@@ -134,6 +134,12 @@ class Generation:
     token_versions: list[int] | None = None
     """Per response token, the policy version that chose it (0 off the policy's tokens); None: the
     generation's one version (the rollout's, recorded per row)."""
+    routed_experts: list[list[list[int]]] | None = None
+    """Mixture-of-experts models with routing replay on (``RolloutContext.record_routing``): per
+    response token, per MoE layer (model order), the ``k`` expert ids the router chose in the
+    forward pass that gave this token's distribution (the prompt's last token for the first
+    response token, the previous response token after), ``[tokens][layers][k]``; None: not recorded.
+    An engine capturing per-position routing gives positions ``P-1 .. P+R-2`` of the sequence."""
 
 
 @dataclass
@@ -235,6 +241,8 @@ PARALLELISM = frozenset({"dp", "tp", "pp", "cp", "ep"})
 #: Token columns of other model roles an advantage estimator may read (its ``needs``): the
 #: critic's ``values`` and the reference's ``ref_logprobs``.
 TOKEN_COLUMNS = frozenset({"ref_logprobs", "values"})
+#: ``algorithm.router_replay`` modes a backend may support (besides ``off``, which all do).
+ROUTER_REPLAY = frozenset({"r2", "r3"})
 #: ``async_policy.correction`` values a loss may honour (``relax.algo.corrections``).
 CORRECTIONS = frozenset({"none", "tis", "decoupled", "seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop",
                          "opsm"})
@@ -310,6 +318,10 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
         Trait("weight_group_ranks", "an int >= 1 (or a property, when it depends on the instance)", 1,
               "Ranks the backend joins a weight group with (collective weight sync).", _positive,
               per_instance=True),
+        Trait("router_replay", "a frozenset of r3", frozenset(),
+              "Routing replay modes the rollout serves: r3, it records each response token's routed "
+              "experts (Generation.routed_experts) when its context asks (record_routing).",
+              _subset_of(frozenset({"r3"}))),
     ),
     PluginKind.trainer: _traits(
         _MODALITIES, _PARALLELISM,
@@ -320,6 +332,10 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
         Trait("pipeline_schedule", "one of 1f1b, fill-drain", "1f1b",
               "The pipeline schedule (the planner's activation estimate under pp > 1).",
               _one_of("1f1b", "fill-drain")),
+        Trait("router_replay", f"a frozenset of {', '.join(sorted(ROUTER_REPLAY))}", frozenset(),
+              "Routing replay modes the trainer honours (TrainerContext.router_replay): r3 replays the "
+              "batch's routed_experts, r2 its own routing from the step's first forward pass.",
+              _subset_of(ROUTER_REPLAY)),
     ),
     PluginKind.advantages: _traits(
         Trait("token_level", "a bool", False,
@@ -443,6 +459,9 @@ class RolloutContext(ContextData):
     None: one response of ``sampling.max_new_tokens``."""
     device: str = "cpu"
     seed: int = 0
+    record_routing: bool = False
+    """Record each response token's routed experts (``Generation.routed_experts``): the run
+    replays the rollout's routing in the trainer (``algorithm.router_replay: r3``)."""
 
 
 class TrainerContext(ContextData):
@@ -466,6 +485,10 @@ class TrainerContext(ContextData):
     mismatch_ratio_bound: float = 2.0
     """``async_policy.mismatch.ratio_bound``: a token counts in the actor's ``mismatch/frac_over``
     when its trainer / rollout ratio is outside ``[1/bound, bound]`` (``relax.algo.mismatch``)."""
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """``algorithm.router_replay`` (MoE models): ``r3`` routes the response tokens with the
+    rollout's recorded experts (the batch's ``routed_experts``), ``r2`` with the trainer's own from
+    the step's first forward pass, ``off`` as the router chooses."""
     device: str = "cpu"
     seed: int = 0
     loss: Any = Field(None, exclude=True)

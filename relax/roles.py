@@ -59,6 +59,10 @@ class Column(StrEnum):
     """Agentic runs: 1 on the tokens the policy chose, 0 on observation and chat-template tokens."""
     token_versions = "token_versions"
     """Agentic runs: the policy version that chose each token (0 off the policy's tokens)."""
+    routed_experts = "routed_experts"
+    """MoE runs with ``algorithm.router_replay: r3``: per token, per MoE layer, the k experts the
+    rollout's router chose for it (``relax.contracts.Generation.routed_experts``), ``[B, T, layers,
+    k]`` in the smallest integer dtype, 0 off the response."""
 
 
 #: Columns the rollout writes for every sample (``relax.runtime.rows`` gives their layout; the
@@ -68,6 +72,9 @@ ROLLOUT_COLUMNS: tuple[Column, ...] = (Column.prompt, Column.response, Column.la
 #: Token columns the rollout writes for agentic runs (``roles.rollout.agent``), read by every role
 #: that reads tokens.
 AGENT_COLUMNS: tuple[Column, ...] = (Column.loss_mask, Column.token_versions)
+#: Token columns the rollout writes for rollout routing replay (``algorithm.router_replay: r3``),
+#: read by the actor.
+ROUTING_COLUMNS: tuple[Column, ...] = (Column.routed_experts,)
 #: Columns the actor always reads.
 TRAIN_COLUMNS: tuple[Column, ...] = (Column.input_ids, Column.rollout_logprobs, Column.lengths, Column.advantages)
 #: Columns a role needs to rebuild a sample's tokens (reference, critic and actor_fwd read these).

@@ -72,6 +72,11 @@ class TrainBatch:
     """``[B, T]`` float32: the critic's value targets (e.g. GAE's ``advantages + values``), if any."""
     token_versions: Tensor | None = None
     """``[B, T]`` int64: agentic runs, the policy version that chose each token (0 elsewhere)."""
+    routed_experts: Tensor | None = None
+    """``[B, T, layers, k]`` integer: MoE runs replaying the rollout's routing
+    (``algorithm.router_replay: r3``), per response token the experts each MoE layer's router chose
+    in the forward pass that gave its distribution (``relax.contracts.Generation.routed_experts``);
+    0 off the response. Kept aligned with the rows and columns like the token tensors."""
     media: list[str] | None = None
     """Per row, a multimodal sample's context as JSON (its prompt text and media references,
     ``relax.media``), from which a trainer rebuilds the model's media inputs; None for text runs.
@@ -125,6 +130,9 @@ class TrainBatch:
         optional = {str(name): tokens(name) for name in OPTIONAL_TOKEN_COLUMNS if name in columns}
         media = columns.get(Column.media)
         versions_column = columns.get(Column.token_versions)
+        routed = columns.get(Column.routed_experts)
+        if routed is not None:
+            routed = routed.reshape(rows, width, *routed.shape[-2:])
         return cls(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -136,6 +144,7 @@ class TrainBatch:
             policy_version=torch.tensor(list(versions), dtype=torch.long),
             media=None if media is None else [str(m) for m in media],
             token_versions=None if versions_column is None else versions_column.long().reshape(rows, width),
+            routed_experts=routed,
             **optional,
         )
 

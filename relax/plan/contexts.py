@@ -58,7 +58,7 @@ def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu") -> Roll
                           parallel=_parallel(role), gpu_memory_utilization=role.gpu_memory_utilization,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
                           max_trajectory_tokens=None if role.agent is None else role.agent.max_tokens,
-                          device=device, seed=spec.seed)
+                          device=device, seed=spec.seed, record_routing=spec.algorithm.router_replay == "r3")
 
 
 def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cpu",
@@ -81,7 +81,8 @@ def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cp
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
                           value_clip=spec.algorithm.value_clip,
                           mismatch_ratio_bound=spec.async_policy.mismatch.ratio_bound, device=device,
-                          seed=spec.seed, loss=loss)
+                          seed=spec.seed, loss=loss,
+                          router_replay=spec.algorithm.router_replay if role in ("actor", "actor_fwd") else "off")
 
 
 def algorithm_context(spec: RunSpec) -> AlgorithmContext:

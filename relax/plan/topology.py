@@ -4,11 +4,11 @@ weight-sync edges; and the staleness schedule."""
 from __future__ import annotations
 
 from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge, WorkerPlan
-from relax.roles import AGENT_COLUMNS, ROLLOUT_COLUMNS, Column, Role
+from relax.roles import AGENT_COLUMNS, ROLLOUT_COLUMNS, ROUTING_COLUMNS, Column, Role
 from relax.spec.models import RunSpec
 
 #: The order in which ``relax plan`` lists the bus columns (data order).
-COLUMN_ORDER = (*ROLLOUT_COLUMNS, Column.media, *AGENT_COLUMNS, Column.rewards, Column.ref_logprobs, Column.old_logprobs,
+COLUMN_ORDER = (*ROLLOUT_COLUMNS, Column.media, *AGENT_COLUMNS, *ROUTING_COLUMNS, Column.rewards, Column.ref_logprobs, Column.old_logprobs,
                 Column.values, Column.returns, Column.advantages)
 
 

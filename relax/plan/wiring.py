@@ -34,6 +34,7 @@ from relax.roles import (
     RANKED_ROLES,
     AGENT_COLUMNS,
     ROLLOUT_COLUMNS,
+    ROUTING_COLUMNS,
     STEP_ROLES,
     TOKEN_COLUMNS,
     TRAIN_COLUMNS,
@@ -179,6 +180,11 @@ def _agent(spec: RunSpec) -> tuple[str, ...]:
     return AGENT_COLUMNS if spec.roles.rollout.agent is not None else ()
 
 
+def _routing(spec: RunSpec) -> tuple[str, ...]:
+    """The rollout's recorded expert ids, for a run that replays them in the actor (r3)."""
+    return ROUTING_COLUMNS if spec.algorithm.router_replay == "r3" else ()
+
+
 def _weights_channel(spec: RunSpec, roles: set[str]) -> str:
     """How policy weights move between the actor and a rollout: in memory in one process,
     over a weight group (``collective``), or through Ray's object store."""
@@ -218,7 +224,7 @@ class _WorkerWiring:
                 role=Role.rollout, task=Role.rollout,
                 plugins=[rollout_use(spec, self.threads),
                          dataset_use(spec, self.base_dir), *media, *environment],
-                writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec)], hands_to=Role.reward if scorer_on_rollout else None,
+                writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
@@ -259,7 +265,7 @@ class _WorkerWiring:
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
                 plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
-                reads=[*TRAIN_COLUMNS, *optional, *_media(spec), *_agent(spec)],
+                reads=[*TRAIN_COLUMNS, *optional, *_media(spec), *_agent(spec), *_routing(spec)],
                 takes_from=Role.advantage if inline_actor else None,
                 waits_for=[] if inline_actor else [Column.advantages, *optional],
                 weights_out=outgoing, reports=[Role.actor])
@@ -279,7 +285,10 @@ class _WorkerWiring:
     def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"
         plugins = [] if shared else [trainer_use(self.spec, role, self.threads)]
-        return RoleWiring(role=role, task=role, plugins=plugins, reads=[*TOKEN_COLUMNS, *_media(self.spec), *_agent(self.spec)],
+        # actor_fwd's proximal log-probs are the actor's policy: routed like the actor's (r3).
+        routing = _routing(self.spec) if role == Role.actor_fwd else ()
+        return RoleWiring(role=role, task=role, plugins=plugins,
+                          reads=[*TOKEN_COLUMNS, *_media(self.spec), *_agent(self.spec), *routing],
                           waits_for=[RESPONSE_READY], writes=[column], weights_in=weights_in, reports=[role])
 
 

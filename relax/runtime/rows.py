@@ -58,7 +58,45 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
         columns[Column.media] = [str(media[g.prompt_index]) for g in gens]
     if any(g.loss_mask is not None for g in gens):  # agentic trajectories
         columns.update(agent_columns(gens, ragged, input_ids))
+    if any(g.routed_experts is not None for g in gens):  # MoE routing replay (r3)
+        columns[Column.routed_experts] = routing_column(gens, ragged, input_ids)
     return columns
+
+
+def routed_dtype(max_id: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids up to ``max_id`` (uint8 up to 256 experts)."""
+    if max_id < 256:
+        return torch.uint8
+    if max_id < 2 ** 15:
+        return torch.int16
+    return torch.int32
+
+
+def routing_column(gens: Sequence[Generation], ragged: bool, input_ids: Any) -> Any:
+    """The rollout's recorded expert ids (``Generation.routed_experts``) in the layout of
+    ``input_ids`` with two more dimensions, ``[B, T, layers, k]`` (or one ``[P + R, layers, k]``
+    tensor per row when ragged), 0 off the response, in the smallest integer dtype that holds
+    them (uint8 up to 256 experts: 4 bytes a token for a 2-layer top-2 model)."""
+    shape = next((len(g.routed_experts[0]), len(g.routed_experts[0][0])) for g in gens if g.routed_experts)
+    tables = []
+    for i, g in enumerate(gens):
+        routed = g.routed_experts
+        if routed is None or len(routed) != len(g.response_ids):
+            raise ValueError(f"generation {i} has {len(g.response_ids)} response tokens but routed experts for "
+                             f"{'none' if routed is None else len(routed)}; a rollout that records routing gives "
+                             "one [layers][k] entry per response token of every generation")
+        table = torch.tensor(routed, dtype=torch.long).reshape(len(routed), *shape)
+        tables.append(table)
+    dtype = routed_dtype(max((int(t.max()) for t in tables if t.numel()), default=0))
+    if ragged:
+        return [torch.cat([torch.zeros((len(g.prompt_ids), *shape), dtype=dtype), t.to(dtype)])
+                for g, t in zip(gens, tables)]
+    rows, width = input_ids.shape
+    prompt_width = max(len(g.prompt_ids) for g in gens)
+    out = torch.zeros((rows, width, *shape), dtype=dtype)
+    for i, table in enumerate(tables):
+        out[i, prompt_width:prompt_width + len(table)] = table.to(dtype)
+    return out
 
 
 def agent_columns(gens: Sequence[Generation], ragged: bool, input_ids: Any) -> dict[Column, Any]:
@@ -77,7 +115,8 @@ def agent_columns(gens: Sequence[Generation], ragged: bool, input_ids: Any) -> d
 
 
 #: Token columns the rollout writes ragged when a step comes in several units.
-RAGGED_COLUMNS = (Column.input_ids, Column.rollout_logprobs, Column.loss_mask, Column.token_versions)
+RAGGED_COLUMNS = (Column.input_ids, Column.rollout_logprobs, Column.loss_mask, Column.token_versions,
+                  Column.routed_experts)
 
 
 def restack(batch: Any, keep_ragged: bool) -> Any:
@@ -106,7 +145,10 @@ def relayout(batch: Any) -> Any:
     width = prompt_width + int(lengths[:, 1].max())
     for name in ragged:
         rows = batch.fields[name]
-        dense = torch.zeros((len(rows), width), dtype=rows[0].dtype)
+        dtype = rows[0].dtype
+        for row in rows[1:]:  # units may have chosen different dtypes (routed experts)
+            dtype = torch.promote_types(dtype, row.dtype)
+        dense = torch.zeros((len(rows), width, *rows[0].shape[1:]), dtype=dtype)
         for i, row in enumerate(rows):
             start = prompt_width - int(lengths[i, 0])
             dense[i, start:start + row.shape[0]] = row

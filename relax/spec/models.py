@@ -119,6 +119,7 @@ class ClipSpec(Section):
 LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 KLPlacement = Literal["loss", "reward"]
+RouterReplay = Literal["off", "r2", "r3"]
 
 
 class DynamicSamplingSpec(Section):
@@ -176,6 +177,19 @@ class AlgorithmSpec(Section):
     """Options of the policy loss, checked against its ``Config``."""
     updates_per_step: int = Field(1, ge=1)
     """Optimizer steps per training step (the batch is split into this many mini-batches)."""
+    router_replay: RouterReplay = "off"
+    """Routing replay for mixture-of-experts models (docs/off-policy.md): ``r3`` records the
+    experts the rollout's router chose for each response token and makes the actor's forward
+    passes use them (gate weights from the current router), so the trainer scores the sampled
+    tokens under the routing that generated them; ``r2`` makes each update of a step use the
+    actor's own routing from the step's first forward pass (matters with updates_per_step > 1);
+    ``off`` lets the router choose. Needs an MoE model and backends that can record and replay."""
+
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare ``off`` as false: ``router_replay: off`` means "off".
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _name_defaults(self) -> "AlgorithmSpec":

@@ -643,6 +643,42 @@ def check_agent(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "install the package of the agent program, or run from the folder that holds it")
 
 
+@rule("algorithm", "roles", "model")
+def check_router_replay(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Routing replay needs a mixture-of-experts model and backends that record (the rollout,
+    r3) and replay (the actor and actor_fwd trainers) routing, as their ``router_replay`` traits
+    declare; agentic trajectories do not carry routed experts yet."""
+    mode = spec.algorithm.router_replay
+    if mode == "off":
+        return
+    arch = ctx.architecture
+    if arch is not None and not arch.is_moe:
+        yield SpecIssue("algorithm.router_replay", f"{mode} replays mixture-of-experts routing, but {arch.name} is "
+                        "a dense model (no experts)", "set algorithm.router_replay: off, or use an MoE model")
+    if mode == "r3":
+        rollout = spec.roles.rollout
+        backend = ctx.plugin(PluginKind.rollout, rollout.backend)
+        if backend is not None and "r3" not in trait(backend, PluginKind.rollout, "router_replay"):
+            yield SpecIssue("roles.rollout.backend", f"r3 needs the rollout to record each token's routed experts, "
+                            f"which rollout backend '{rollout.backend}' cannot",
+                            "use a backend that records routing (hf), or algorithm.router_replay: r2 or off")
+        if rollout.agent is not None:
+            yield SpecIssue("algorithm.router_replay", "r3 is not supported with agentic rollouts "
+                            "(roles.rollout.agent): multi-turn trajectories do not carry routed experts yet",
+                            "set algorithm.router_replay: r2 or off, or remove roles.rollout.agent")
+    for name in ("actor", "actor_fwd"):
+        role = getattr(spec.roles, name)
+        if role is None:
+            continue
+        cls = ctx.plugin(PluginKind.trainer, role.backend)
+        if cls is not None and mode not in trait(cls, PluginKind.trainer, "router_replay"):
+            supported = sorted(trait(cls, PluginKind.trainer, "router_replay"))
+            yield SpecIssue(f"roles.{name}.backend", f"trainer backend '{role.backend}' cannot replay routing "
+                            f"({mode}; it supports {', '.join(supported) or 'none'})",
+                            f"use a backend that replays routing (torch), or set algorithm.router_replay: "
+                            f"{' or '.join([*supported, 'off'])}")
+
+
 #: Rows of a data file whose columns validation reads (enough to catch a misnamed column).
 DATA_ROWS_CHECKED = 20
 
@@ -871,6 +907,7 @@ RULES: tuple[Rule, ...] = (
     check_rollout_scaling,
     check_weight_sync,
     check_agent,
+    check_router_replay,
     check_fault_tolerance,
     check_tracing,
 )

@@ -1,7 +1,7 @@
 """``builtin:tiny-lm``: a tiny Llama-style causal LM built locally from a seed (no download).
 
 ``materialize`` trains a character-level tokenizer with the ``tokenizers`` library, initialises a
-small Llama (or Qwen2) model at random from ``seed`` and gives it a short supervised warm-up on the
+small Llama, Qwen2 or Qwen3-MoE model at random from ``seed`` and gives it a short supervised warm-up on the
 ``synthetic:arithmetic`` task. The warm-up teaches the answers but, on purpose, to stop right
 after the answer only ``warmup_stop_probability`` of the time (the other targets ramble on), so
 that reinforcement learning with an exact-match reward starts from a weak policy (about 0.25
@@ -85,8 +85,11 @@ class TinyLM:
 
         model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-        architecture: Literal["llama", "qwen2"] = "llama"
-        """Hugging Face architecture of the model (both load in transformers and vLLM)."""
+        architecture: Literal["llama", "qwen2", "qwen3_moe"] = "llama"
+        """Hugging Face architecture of the model (each loads in transformers and vLLM).
+        ``qwen3_moe`` is a mixture of experts: every layer's MLP is ``num_experts`` SwiGLU experts
+        of width ``moe_intermediate_size`` with a top-``experts_per_token`` router (the model for
+        rollout routing replay, ``algorithm.router_replay``)."""
         num_layers: int = Field(2, ge=1, le=32)
         """Decoder layers."""
         hidden_size: int = Field(64, ge=8)
@@ -98,7 +101,16 @@ class TinyLM:
         head_dim: int = Field(32, ge=32)
         """Width of one head; at least 32 (vLLM's CPU attention rejects 16)."""
         intermediate_size: int = Field(256, ge=1)
-        """Width of the SwiGLU MLP."""
+        """Width of the SwiGLU MLP (dense architectures)."""
+        num_experts: int = Field(4, ge=2, le=256)
+        """``qwen3_moe`` only: routed experts per layer."""
+        experts_per_token: int = Field(2, ge=1)
+        """``qwen3_moe`` only: experts each token is routed to (top-k)."""
+        moe_intermediate_size: int = Field(64, ge=1)
+        """``qwen3_moe`` only: width of one expert's SwiGLU MLP."""
+        router_aux_loss_coef: float = Field(0.01, ge=0.0)
+        """``qwen3_moe`` only: weight of the load-balancing loss in the warm-up, so that the
+        router spreads tokens over every expert (its choices then matter, and can flip)."""
         max_position_embeddings: int = Field(512, ge=16)
         """Longest sequence (prompt plus response) in tokens."""
         tie_embeddings: bool = True
@@ -134,7 +146,14 @@ class TinyLM:
         if config.num_attention_heads % config.num_kv_heads:
             raise ValueError(f"tiny-lm: num_kv_heads {config.num_kv_heads} must divide "
                              f"num_attention_heads {config.num_attention_heads}")
+        if config.experts_per_token > config.num_experts:
+            raise ValueError(f"tiny-lm: experts_per_token {config.experts_per_token} exceeds "
+                             f"num_experts {config.num_experts}")
         self.config = config
+
+    @property
+    def is_moe(self) -> bool:
+        return self.config.architecture == "qwen3_moe"
 
     def architecture(self) -> dict[str, Any]:
         """The numbers of ``relax.spec.architecture.ModelArchitecture``, without building anything."""
@@ -149,6 +168,9 @@ class TinyLM:
             "intermediate_size": c.intermediate_size,
             "vocab_size": vocab_size(c.task),
             "tie_embeddings": c.tie_embeddings,
+            "num_experts": c.num_experts if self.is_moe else 0,
+            "experts_per_token": c.experts_per_token if self.is_moe else 0,
+            "moe_intermediate_size": c.moe_intermediate_size if self.is_moe else 0,
             "modalities": ["text"],
         }
 

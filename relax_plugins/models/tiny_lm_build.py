@@ -72,10 +72,9 @@ def train_tokenizer(extra_tokens: tuple[str, ...] = ()) -> Any:
 
 def build_model(config: TinyLM.Config, tokenizer: Any) -> Any:
     """The randomly initialised model (seeded by ``config.seed``)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    arch = LlamaConfig if config.architecture == "llama" else Qwen2Config
-    hf_config = arch(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -89,6 +88,16 @@ def build_model(config: TinyLM.Config, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+    if config.architecture == "qwen3_moe":
+        # Every layer sparse (decoder_sparse_step 1, no dense layers), top-k renormalised as in
+        # the Qwen3 MoE releases.
+        hf_config = Qwen3MoeConfig(**common, num_experts=config.num_experts,
+                                   num_experts_per_tok=config.experts_per_token,
+                                   moe_intermediate_size=config.moe_intermediate_size, decoder_sparse_step=1,
+                                   mlp_only_layers=[], norm_topk_prob=True,
+                                   router_aux_loss_coef=config.router_aux_loss_coef)
+    else:
+        hf_config = (LlamaConfig if config.architecture == "llama" else Qwen2Config)(**common)
     torch.manual_seed(config.seed)
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
@@ -292,9 +301,12 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros(())
         for batch, loss_mask in groups:  # the mean over every target token of the step
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                           position_ids=batch.position_ids, use_cache=False).logits
-            part = -masked_mean(token_logprobs(logits, batch.input_ids), loss_mask) * (float(loss_mask.sum()) / total)
+            moe = {"output_router_logits": True} if config.architecture == "qwen3_moe" else {}
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids, use_cache=False, **moe)
+            part = -masked_mean(token_logprobs(out.logits, batch.input_ids), loss_mask) * (float(loss_mask.sum()) / total)
+            if moe:  # keep every expert in use (the load-balancing loss, weighted like the group)
+                part = part + config.router_aux_loss_coef * out.aux_loss * (len(batch.input_ids) / len(examples))
             part.backward()
             loss = loss + part.detach()
         optimizer.step()

@@ -12,6 +12,7 @@ temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +30,8 @@ class HFRollout:
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
     #: Ranks this backend takes in a weight group (``relax.weight_group``): one, this process.
     weight_group_ranks: ClassVar[int] = 1
+    #: It records MoE routing for replay (Qwen2/Qwen3-MoE routers, ``relax_plugins.moe_routing``).
+    router_replay: ClassVar[frozenset[str]] = frozenset({"r3"})
 
     class Config(BaseModel):
         """Options of the Hugging Face rollout backend."""
@@ -171,9 +174,11 @@ class HFRollout:
         if len(generation.response_ids) <= budget:
             return generation
         response = generation.response_ids[:budget]
+        routed = generation.routed_experts
         return Generation(prompt_index=generation.prompt_index, prompt_ids=generation.prompt_ids,
                           response_ids=response, logprobs=generation.logprobs[:budget],
-                          text=self.tokenizer.decode(response, skip_special_tokens=True), finished=False)
+                          text=self.tokenizer.decode(response, skip_special_tokens=True), finished=False,
+                          routed_experts=None if routed is None else routed[:budget])
 
     def encode_text(self, text: str, refs: list[Any]) -> list[int]:
         """Rendered chat text with one media marker per reference, as the model reads it: ids with the
@@ -220,24 +225,32 @@ class HFRollout:
         for i, (_, ids) in enumerate(rows):
             input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids):] = 1
-        result = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=self._generation_config(sampling),
-            **(media_inputs or {}),
-        )
+        recorder = None
+        if self.context.record_routing:
+            from relax_plugins.moe_routing import GenerationRouting
+
+            recorder = GenerationRouting(self.model, len(rows))
+        with recorder if recorder is not None else nullcontext():
+            result = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=self._generation_config(sampling),
+                **(media_inputs or {}),
+            )
         new_tokens = result.sequences[:, width:].cpu()
         scores = torch.stack(result.scores, dim=1).float()  # [rows, new, vocab], as sampled from
         logprobs = torch.log_softmax(scores, dim=-1).gather(
             -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
         generations = []
         stops = set(self.stop_token_ids)
+        sequences = [new_tokens[i].tolist() for i in range(len(rows))]
+        ends = [next((j for j, token in enumerate(tokens) if token in stops), None) for tokens in sequences]
+        lengths = [len(tokens) if end is None else end + 1 for tokens, end in zip(sequences, ends)]
+        routed = recorder.per_row(lengths) if recorder is not None else [None] * len(rows)
         for i, (prompt_index, ids) in enumerate(rows):
-            tokens = new_tokens[i].tolist()
-            end = next((j for j, token in enumerate(tokens) if token in stops), None)
-            finished = end is not None
-            length = end + 1 if finished else len(tokens)
-            response = tokens[:length]
+            finished = ends[i] is not None
+            length = lengths[i]
+            response = sequences[i][:length]
             text_ids = response[:-1] if finished else response
             generations.append(Generation(
                 prompt_index=prompt_index,
@@ -246,6 +259,7 @@ class HFRollout:
                 logprobs=logprobs[i, :length].tolist(),
                 text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
                 finished=finished,
+                routed_experts=routed[i],
             ))
         return generations
 

@@ -7,6 +7,12 @@ values are 0): ``compute_values`` gives the value of every token's state and ``t
 minimises the clipped value loss against the advantage role's ``returns``. Log-probs are those of
 ``softmax(logits / T)`` with ``T`` the rollout's sampling temperature (1 when sampling is greedy),
 matching the distribution the ``hf`` rollout samples from.
+
+Mixture-of-experts routing replay (``TrainerContext.router_replay``, ``relax_plugins.moe_routing``):
+with ``r3`` every forward pass over a batch that carries the rollout's ``routed_experts`` routes its
+response tokens with them; with ``r2`` a step that takes several updates first records the actor's
+own routing over the whole batch (no grad, at the weights the step starts from) and each update
+replays it, so later mini-batches are not routed by weights the earlier updates moved.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class TorchTrainer:
     #: (``relax_plugins.processing``, shared with the hf rollout).
     modalities: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio", "video"})
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp"})
+    #: Routing replay modes it honours (Qwen2/Qwen3-MoE routers, ``relax_plugins.moe_routing``).
+    router_replay: ClassVar[frozenset[str]] = frozenset({"r2", "r3"})
 
     class Config(TrainerConfig):
         """Options of the torch train backend."""
@@ -98,6 +106,14 @@ class TorchTrainer:
         self.optimizer = self._build_optimizer() if self.optimizer_info is not None else None
         self.version = 0
         """Optimizer steps taken (the policy version of the current weights)."""
+        self.router_replay = context.router_replay
+        if self.router_replay != "off":
+            from relax_plugins.moe_routing import routers
+
+            if not routers(self.model):
+                raise ValueError(f"algorithm.router_replay={self.router_replay} but {self.model_path} is a dense "
+                                 "model (no MoE router); set algorithm.router_replay: off")
+        self._replay_stats: dict[str, float] = {}
 
     def _build_optimizer(self) -> Any:
         return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_info, "torch")
@@ -105,6 +121,15 @@ class TorchTrainer:
     # -- forward ----------------------------------------------------------------------------------
 
     def _logits(self, batch: Any) -> Any:
+        if self.router_replay != "off" and batch.routed_experts is not None:
+            from relax_plugins.moe_routing import replayed_routing
+
+            with replayed_routing(self.model, batch.routed_experts.to(self.device),
+                                  batch.response_mask.to(self.device), self._replay_stats):
+                return self._plain_logits(batch)
+        return self._plain_logits(batch)
+
+    def _plain_logits(self, batch: Any) -> Any:
         if self.encoder is not None:
             return self._media_logits(batch)
         return self.model(
@@ -217,6 +242,31 @@ class TorchTrainer:
             raise RuntimeError(f"roles.{self.context.role} is a policy, not a critic: it has no values")
         return self._per_token(batch, self._values)
 
+    def own_routing(self, batch: Any) -> Any:
+        """The ``[B, T, layers, k]`` routed-experts column of this model's own routing of the batch
+        under the current weights (no grad; the form of the rollout's, ``moe_routing``): what
+        ``router_replay: r2`` replays in the step's updates."""
+        import torch
+
+        from relax_plugins.moe_routing import recorded_routing
+
+        out = None
+        self.model.eval()
+        with torch.no_grad():
+            for start in range(0, batch.batch_size, self.micro_batch_size):
+                rows = slice(start, start + self.micro_batch_size)
+                part = batch.select(rows)
+                cols = part.used_columns()
+                part = part.select_columns(cols)
+                with recorded_routing(self.model, *part.input_ids.shape) as recorded:
+                    self._plain_logits(part)
+                table = recorded[0].cpu()
+                if out is None:
+                    out = torch.zeros((*batch.input_ids.shape, *table.shape[2:]), dtype=torch.uint8
+                                      if table.max() < 256 else torch.int32)
+                out[rows, cols] = table.to(out.dtype)
+        return out
+
     def _per_token(self, batch: Any, forward: Any) -> Any:
         import torch
 
@@ -262,6 +312,13 @@ class TorchTrainer:
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.optimizer_info.grad_clip
+        if self.router_replay == "r3" and batch.routed_experts is None:
+            raise ValueError("algorithm.router_replay=r3 but the batch has no routed experts: the rollout did not "
+                             "record them (its backend must record routing, e.g. hf, and write the routed_experts "
+                             "column)")
+        if self.router_replay == "r2" and updates > 1:  # the first update would replay itself: no pass needed
+            batch = batch.with_fields(routed_experts=self.own_routing(batch))
+        self._replay_stats.clear()
         totals: dict[str, float] = {}
         taken = 0
         from relax.algo.mismatch import MismatchTally
@@ -299,6 +356,11 @@ class TorchTrainer:
             if dist is not None:
                 mismatch.all_reduce(dist)
             result.update(mismatch.metrics())
+        replayed = self._replay_stats.get("replayed", 0.0)
+        if replayed:
+            # Share of replayed (token, layer) routings whose expert set the current router would
+            # have chosen differently: the mismatch replay removed.
+            result["router_replay/changed"] = self._replay_stats.get("changed", 0.0) / replayed
         return result
 
     # -- weights and checkpoints -------------------------------------------------------------------
