@@ -32,7 +32,7 @@ the ``mask``. ``correction_weight`` dispatches by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -57,18 +57,18 @@ __all__ = [
 RATIO_CORRECTIONS = frozenset({"seq_tis", "token_mis", "seq_mis", "geo_reject", "icepop"})
 
 
-@dataclass(frozen=True)
-class CorrectionBounds:
-    """The bounds of the corrections (``async_policy``; see its fields for the defaults' sources)."""
+class CorrectionBounds(Protocol):
+    """The bounds the corrections read: ``relax.contracts.AlgorithmContext`` has them (filled from
+    ``async_policy``, whose fields say where each default comes from)."""
 
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    geo_low: float = 0.999
-    geo_high: float = 1.001
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
-    opsm_delta: float = 0.05
+    tis_cap: float
+    mis_low: float
+    mis_high: float
+    geo_low: float
+    geo_high: float
+    icepop_low: float
+    icepop_high: float
+    opsm_delta: float
 
 
 def log_rho(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:

@@ -74,8 +74,8 @@ class PolicyLoss(ABC):
         self.needs_entropy = self.entropy_coef > 0
         self.correction = context.correction
         self.tis_cap = float(context.tis_cap) if self.correction in ("tis", "decoupled") else None
-        self.bounds = _bounds(context)
-        """The bounds of every correction (``relax.algo.corrections.CorrectionBounds``, as plain data)."""
+        self.bounds = context
+        """The bounds of every correction (the context has them: ``relax.algo.corrections.CorrectionBounds``)."""
         if self.correction not in self.corrections:
             raise ValueError(f"loss {type(self).__name__} does not honour async_policy.correction "
                              f"'{self.correction}' (it honours {', '.join(sorted(self.corrections))})")
@@ -91,11 +91,10 @@ class PolicyLoss(ABC):
 
     def weight(self, batch: Any, logprobs: Any, old: Any) -> Any:
         """The correction's detached per-token weight ``[B, T]`` (None for ``none``)."""
-        from relax.algo.corrections import CorrectionBounds, correction_weight
+        from relax.algo.corrections import correction_weight
 
         return correction_weight(self.correction, logprobs=logprobs, proximal=old, behaviour=batch.rollout_logprobs,
-                                 advantages=batch.advantages, mask=batch.response_mask,
-                                 bounds=CorrectionBounds(**self.bounds))
+                                 advantages=batch.advantages, mask=batch.response_mask, bounds=self.bounds)
 
     @abstractmethod
     def surrogate(self, batch: Any, logprobs: Any, old: Any, weight: Any) -> tuple[Any, dict[str, float]]:
@@ -130,8 +129,3 @@ class PolicyLoss(ABC):
             metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
         return loss, metrics
 
-
-def _bounds(context: AlgorithmContext) -> dict[str, float]:
-    """The correction bounds of the context, as ``CorrectionBounds`` keyword arguments."""
-    names = ("tis_cap", "mis_low", "mis_high", "geo_low", "geo_high", "icepop_low", "icepop_high", "opsm_delta")
-    return {name: float(getattr(context, name)) for name in names}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax.algo.corrections import CorrectionBounds, correction_weight
+from relax.algo.corrections import correction_weight
+from relax.contracts import AlgorithmContext
 from relax.algo.losses import aggregate, ppo_clip_loss
 
 # Three rows; row 1 has two response tokens (its third entry is padding with a wild value that must
@@ -20,7 +21,7 @@ PROXIMAL = BEHAVIOUR + torch.log(torch.tensor(RHO))
 S2 = 1.0005 * 0.9999
 
 
-def weight(name, bounds=CorrectionBounds(), logprobs=PROXIMAL, advantages=torch.tensor([1.0, 1.0, 1.0]),
+def weight(name, bounds=AlgorithmContext(), logprobs=PROXIMAL, advantages=torch.tensor([1.0, 1.0, 1.0]),
            behaviour=BEHAVIOUR, mask=MASK):
     return correction_weight(name, logprobs=logprobs, proximal=PROXIMAL, behaviour=behaviour,
                              advantages=advantages, mask=mask, bounds=bounds).tolist()
@@ -33,7 +34,7 @@ def close(actual, expected):
 
 def test_none_gives_no_weight():
     assert correction_weight("none", logprobs=PROXIMAL, proximal=PROXIMAL, behaviour=BEHAVIOUR,
-                             advantages=torch.ones(3), mask=MASK, bounds=CorrectionBounds()) is None
+                             advantages=torch.ones(3), mask=MASK, bounds=AlgorithmContext()) is None
 
 
 def test_token_tis():
@@ -43,30 +44,30 @@ def test_token_tis():
 
 def test_seq_tis():
     close(weight("seq_tis"), [[1.2] * 3, [1.5, 1.5, 0.0], [S2] * 3])
-    close(weight("seq_tis", CorrectionBounds(tis_cap=1.3)), [[1.2] * 3, [1.3, 1.3, 0.0], [S2] * 3])
+    close(weight("seq_tis", AlgorithmContext(tis_cap=1.3)), [[1.2] * 3, [1.3, 1.3, 0.0], [S2] * 3])
 
 
 def test_token_mis_drops_tokens_outside_the_band():
     close(weight("token_mis"), [[0.0, 0.0, 1.0], [1.5, 1.0, 0.0], [1.0005, 1.0, 0.9999]])
     # one-sided (low 0): 0.4 is kept with its ratio
-    close(weight("token_mis", CorrectionBounds(mis_low=0.0)), [[0.0, 0.4, 1.0], [1.5, 1.0, 0.0],
+    close(weight("token_mis", AlgorithmContext(mis_low=0.0)), [[0.0, 0.4, 1.0], [1.5, 1.0, 0.0],
                                                               [1.0005, 1.0, 0.9999]])
 
 
 def test_seq_mis_drops_whole_sequences_outside_the_band():
     close(weight("seq_mis"), [[1.2] * 3, [1.5, 1.5, 0.0], [S2] * 3])
-    close(weight("seq_mis", CorrectionBounds(mis_low=0.5, mis_high=1.3)), [[1.2] * 3, [0.0, 0.0, 0.0], [S2] * 3])
-    close(weight("seq_mis", CorrectionBounds(mis_low=1.25, mis_high=2.0)), [[0.0] * 3, [1.5, 1.5, 0.0], [0.0] * 3])
+    close(weight("seq_mis", AlgorithmContext(mis_low=0.5, mis_high=1.3)), [[1.2] * 3, [0.0, 0.0, 0.0], [S2] * 3])
+    close(weight("seq_mis", AlgorithmContext(mis_low=1.25, mis_high=2.0)), [[0.0] * 3, [1.5, 1.5, 0.0], [0.0] * 3])
 
 
 def test_geo_reject_keeps_only_sequences_whose_geometric_mean_ratio_is_in_the_band():
     close(weight("geo_reject"), [[0.0] * 3, [0.0, 0.0, 0.0], [1.0] * 3])
-    close(weight("geo_reject", CorrectionBounds(geo_low=0.9, geo_high=1.1)), [[1.0] * 3, [0.0, 0.0, 0.0], [1.0] * 3])
+    close(weight("geo_reject", AlgorithmContext(geo_low=0.9, geo_high=1.1)), [[1.0] * 3, [0.0, 0.0, 0.0], [1.0] * 3])
 
 
 def test_icepop_keeps_tokens_in_its_two_sided_band_with_their_ratio():
     close(weight("icepop"), [[3.0, 0.0, 1.0], [1.5, 1.0, 0.0], [1.0005, 1.0, 0.9999]])
-    close(weight("icepop", CorrectionBounds(icepop_low=0.3, icepop_high=2.0)),
+    close(weight("icepop", AlgorithmContext(icepop_low=0.3, icepop_high=2.0)),
           [[0.0, 0.4, 1.0], [1.5, 1.0, 0.0], [1.0005, 1.0, 0.9999]])
 
 
@@ -79,7 +80,7 @@ def test_opsm_masks_drifted_negative_advantage_sequences():
 
     def opsm(advantages, delta=0.05):
         return correction_weight("opsm", logprobs=current, proximal=behaviour, behaviour=behaviour,
-                                 advantages=advantages, mask=mask, bounds=CorrectionBounds(opsm_delta=delta)).tolist()
+                                 advantages=advantages, mask=mask, bounds=AlgorithmContext(opsm_delta=delta)).tolist()
 
     assert opsm(torch.tensor([-1.0, -1.0, 1.0])) == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert opsm(torch.tensor([-1.0, -1.0, 1.0]), delta=0.03) == [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
@@ -105,10 +106,10 @@ def test_sequence_ratios_stay_finite_for_long_sequences():
     log_r = torch.full((1, 400), 0.5)
     zeros = torch.zeros(1, 400)
     w = correction_weight("seq_tis", logprobs=log_r, proximal=log_r, behaviour=zeros, advantages=torch.ones(1),
-                          mask=torch.ones(1, 400), bounds=CorrectionBounds())
+                          mask=torch.ones(1, 400), bounds=AlgorithmContext())
     assert torch.isfinite(w).all() and w.max().item() == pytest.approx(2.0)
     w = correction_weight("seq_mis", logprobs=log_r, proximal=log_r, behaviour=zeros, advantages=torch.ones(1),
-                          mask=torch.ones(1, 400), bounds=CorrectionBounds())
+                          mask=torch.ones(1, 400), bounds=AlgorithmContext())
     assert w.abs().sum().item() == 0.0
 
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from relax.algo.corrections import CorrectionBounds, correction_weight
+from relax.algo.corrections import correction_weight
+from relax.contracts import AlgorithmContext
 from relax.algo.kl import K3_CAP, kl_divergence
 from relax.algo.losses import POLICY_LOG_RATIO_BOUND, cispo_loss, gspo_loss, ppo_clip_loss, sapo_loss
 
@@ -78,5 +79,5 @@ def test_every_correction_weight_is_finite_for_extreme_ratios(name):
     behaviour = torch.tensor([[-90.0, -90.0, -90.0], [90.0, 30.0, -30.0]])
     weight = correction_weight(name, logprobs=proximal, proximal=proximal, behaviour=behaviour,
                                advantages=torch.tensor([-1.0, 1.0]), mask=torch.ones(2, 3),
-                               bounds=CorrectionBounds())
+                               bounds=AlgorithmContext())
     assert torch.isfinite(weight).all() and (weight >= 0).all()
