@@ -490,10 +490,12 @@ def test_r2_replays_the_routing_of_the_steps_start_like_torch(models) -> None:
     assert got["router_replay/changed"] == pytest.approx(want["router_replay/changed"]) and got["router_replay/changed"] > 0
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"pp": 2}])
-def test_r3_under_tensor_or_pipeline_parallelism_matches_one_process(models, tmp_path, sizes) -> None:
-    """Replay under tp (each sequence-parallel rank replays its half of every sequence) and pp
-    (each stage its own layers) gives the one-process replayed log-probs, step and weights."""
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"pp": 2}, {"ep": 2}])
+def test_r3_under_tensor_pipeline_or_expert_parallelism_matches_one_process(models, tmp_path, sizes) -> None:
+    """Replay under tp (each sequence-parallel rank replays its half of every sequence), pp (each
+    stage its own layers) and ep (two data-parallel ranks with their own rows, padded to the same
+    shapes) gives the one-process replayed log-probs, step, weights and mismatch figures (summed
+    over the data-parallel ranks, taken from the last stage)."""
     from relax_plugins.trainer.megatron import MegatronTrainer
 
     path = models["qwen3-moe"]
@@ -502,7 +504,8 @@ def test_r3_under_tensor_or_pipeline_parallelism_matches_one_process(models, tmp
                 routed_batch())
     real = _real_tokens(sample_batch())
     assert torch.allclose(two["logprobs"][real], one["logprobs"][real], atol=1e-5, rtol=0)
-    for key in ("loss", "grad_norm", "router_replay/changed"):
+    for key in ("loss", "grad_norm", "router_replay/changed", "mismatch/tokens", "mismatch/kl", "mismatch/max_abs",
+                "mismatch/frac_over"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     assert one["metrics"]["router_replay/changed"] > 0
     _assert_same(two["weights"], one["weights"], atol=1e-5)
