@@ -59,10 +59,11 @@ class MismatchTally:
             self.over += float((log_r.abs() > math.log(self.ratio_bound)).sum())
             self.max_abs = max(self.max_abs, float(log_r.abs().max()))
 
-    def all_reduce(self, dist: object, group: object = None) -> None:
-        """Combine the tallies of all ranks of ``group`` (``torch.distributed``): sums and a max."""
-        sums = torch.tensor([self.tokens, self.k3_sum, self.over], dtype=torch.float64)
-        top = torch.tensor([self.max_abs], dtype=torch.float64)
+    def all_reduce(self, dist: object, group: object = None, device: object = None) -> None:
+        """Combine the tallies of all ranks of ``group`` (``torch.distributed``): sums and a max.
+        ``device``: where the reduced tensors live (a CUDA device for an nccl group; CPU if None)."""
+        sums = torch.tensor([self.tokens, self.k3_sum, self.over], dtype=torch.float64, device=device)
+        top = torch.tensor([self.max_abs], dtype=torch.float64, device=device)
         dist.all_reduce(sums, group=group)  # type: ignore[attr-defined]
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # type: ignore[attr-defined]
         self.tokens, self.k3_sum, self.over = (float(v) for v in sums)

@@ -675,7 +675,7 @@ def check_router_replay(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
             supported = sorted(trait(cls, PluginKind.trainer, "router_replay"))
             yield SpecIssue(f"roles.{name}.backend", f"trainer backend '{role.backend}' cannot replay routing "
                             f"({mode}; it supports {', '.join(supported) or 'none'})",
-                            f"use a backend that replays routing (torch), or set algorithm.router_replay: "
+                            f"use a backend that replays routing (torch, megatron), or set algorithm.router_replay: "
                             f"{' or '.join([*supported, 'off'])}")
 
 

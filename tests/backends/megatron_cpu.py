@@ -100,12 +100,27 @@ def data_parallel_share(batch, trainer):
     return batch.select(slice(bounds[rank], bounds[rank + 1]))
 
 
-def probe(trainer) -> dict:
-    """What the parallel checks compare: log-probs (of every data-parallel share, joined), one
-    step's metrics, the weights after it. A collective when the trainer runs on several ranks."""
+def routed_batch(layers: int = 2, experts: int = 4, k: int = 2, seed: int = 1):
+    """``sample_batch()`` with a ``routed_experts`` column (``[B, T, layers, k]``) of random
+    distinct expert ids on its response tokens (0 elsewhere), as an r3 rollout would record: a
+    routing the router would often not choose itself, so replaying it shows."""
     import torch
 
     batch = sample_batch()
+    g = torch.Generator().manual_seed(seed)
+    rows, width = batch.input_ids.shape
+    ids = torch.rand(rows, width, layers, experts, generator=g).argsort(dim=-1)[..., :k]
+    ids = ids * (batch.response_mask > 0)[..., None, None]
+    return batch.with_fields(routed_experts=ids.to(torch.uint8))
+
+
+def probe(trainer, batch=None) -> dict:
+    """What the parallel checks compare: log-probs (of every data-parallel share, joined), one
+    step's metrics, the weights after it (of ``batch``, by default ``sample_batch()``). A
+    collective when the trainer runs on several ranks."""
+    import torch
+
+    batch = sample_batch() if batch is None else batch
     mine = data_parallel_share(batch, trainer)
     logprobs = trainer.compute_logprobs(mine)
     metrics = trainer.train_step(mine)
@@ -135,7 +150,8 @@ def checkpoint_round_trip(trainer, resumed, folder: str) -> dict:
 
 def _run_rank(model_path: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, check: str = "probe") -> None:
     """One gloo rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment) of a
-    parallel run of ``probe`` (or, with ``check="checkpoint"``, of ``checkpoint_round_trip`` into
+    parallel run of ``probe`` (with ``check="r3"``, of ``probe`` on ``routed_batch()`` with
+    ``algorithm.router_replay: r3``; with ``check="checkpoint"``, of ``checkpoint_round_trip`` into
     ``out`` + ".ckpt"); rank 0 writes the result to ``out``."""
     import os
 
@@ -145,12 +161,15 @@ def _run_rank(model_path: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, 
 
     torch.set_num_threads(1)
     install_cpu_shims()
-    spec = trainer_spec(model_path, tp=tp, pp=pp, ep=ep)
+    extra = {"algorithm.router_replay": "r3"} if check == "r3" else None
+    spec = trainer_spec(model_path, tp=tp, pp=pp, ep=ep, extra=extra)
     trainer = build_trainer(MegatronTrainer, spec, model_path)
     from megatron.core import parallel_state
 
     if check == "checkpoint":
         result = checkpoint_round_trip(trainer, build_trainer(MegatronTrainer, spec, model_path), out + ".ckpt")
+    elif check == "r3":
+        result = probe(trainer, routed_batch())
     else:
         result = probe(trainer)
     result["sizes"] = {"tp": parallel_state.get_tensor_model_parallel_world_size(),

@@ -1,6 +1,6 @@
 """The ``megatron`` trainer: HF <-> Megatron conversion, conformance with the ``torch`` trainer,
-tensor, pipeline and expert parallelism over gloo ranks, a run through the real runtime, and its
-refusals.
+tensor, pipeline and expert parallelism over gloo ranks, MoE routing replay and the mismatch
+metrics, a run through the real runtime, and its refusals.
 
 Runs in the megatron lane (``nox -s megatron`` or ``pytest -m megatron``); megatron-core runs on CPU
 here through the stand-ins of ``tests/backends/megatron_cpu.py``.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.backends.megatron_cpu import WORKER_SETUP, build_trainer, probe, sample_batch, trainer_spec
+from tests.backends.megatron_cpu import WORKER_SETUP, build_trainer, probe, routed_batch, sample_batch, trainer_spec
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -368,6 +368,180 @@ def test_pipeline_parallel_save_and_load_round_trip(models, tmp_path) -> None:
     assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6)
     print(f"max |diff| after the next step: weights {_max_diff(*result['weights']):.2e}")
     _assert_same(*result["weights"], atol=1e-6)  # the Adam moments came back too
+
+
+# -- routing replay (algorithm.router_replay) and the mismatch metrics --------------------------------
+
+
+def test_replay_targets_follow_megatron_token_order() -> None:
+    """The bus column maps onto the router's sequence-major ``[s * b, k]`` order (response tokens'
+    predecessors replayed, every other position -1), sequence-parallel ranks take consecutive
+    column chunks, and recorded choices map back into the bus column."""
+    from relax_plugins.trainer.megatron_routing import OWN_CHOICE, column_from_records, micro_batch_targets
+
+    response = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]])
+    routed = torch.arange(2 * 5 * 3 * 2).reshape(2, 5, 3, 2) * response[..., None, None]
+    shape = (3, 6)  # padded by one row and one column
+    whole = micro_batch_targets(routed, response, shape, range(1, 3))
+    assert [t.shape for t in whole] == [(18, 2), (18, 2)]
+    for layer, target in zip((1, 2), whole):
+        for s in range(6):
+            for b in range(3):
+                replayed = b < 2 and s + 1 < 5 and response[b, s + 1] == 1
+                want = routed[b, s + 1, layer] if replayed else torch.full((2,), OWN_CHOICE)
+                assert torch.equal(target[s * 3 + b], want), (layer, s, b)
+    halves = [micro_batch_targets(routed, response, shape, range(1, 3), rank, 2) for rank in range(2)]
+    for layer in range(2):
+        assert torch.equal(torch.cat([halves[0][layer], halves[1][layer]]), whole[layer])
+    back = column_from_records(whole, shape, (2, 5))
+    predecessor_of_response = response[:, 1:] == 1
+    assert torch.equal(back[:, 1:][predecessor_of_response], routed[:, 1:, 1:][predecessor_of_response])
+    with pytest.raises(ValueError, match="cover 3 MoE layers but the model has at least 4"):
+        micro_batch_targets(routed, response, shape, range(2, 4))
+
+
+def _router_choices(trainer) -> tuple[list[torch.Tensor], list]:
+    """A list that receives each Megatron TopKRouter call's expert sets (its ``routing_map``
+    ``[tokens, experts]``, what the dispatcher sends tokens by), and the hooks' handles."""
+    seen: list[torch.Tensor] = []
+    routers = [m for m in trainer.model.modules() if type(m).__name__ == "TopKRouter"]
+    handles = [r.register_forward_hook(lambda m, i, o: seen.append(o[1].detach().clone())) for r in routers]
+    return seen, handles
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-unnormalised"])
+def test_r3_routes_the_update_with_the_recorded_experts(models, name) -> None:
+    """Every response token's predecessor is routed, in the update's forward, to exactly the
+    recorded experts (read from the routing map Megatron dispatches by), the log-probs, loss,
+    gradient and ``router_replay/changed`` are the torch trainer's replay's, and replay changes the
+    log-probs (the recorded routing is not the router's own)."""
+    from relax_plugins.trainer.megatron import MegatronTrainer
+    from relax_plugins.trainer.torch_trainer import TorchTrainer
+
+    path = models[name]
+    plain_spec = trainer_spec(path, micro_batch_size=16)
+    spec = trainer_spec(path, micro_batch_size=16, extra={"algorithm.router_replay": "r3"})
+    megatron, reference = build_trainer(MegatronTrainer, spec, path), build_trainer(TorchTrainer, spec, path)
+    batch = routed_batch().trim()
+    real = _real_tokens(batch)
+    ours, theirs = megatron.compute_logprobs(batch), reference.compute_logprobs(batch)
+    assert torch.allclose(ours[real], theirs[real], atol=2e-5, rtol=0)
+    plain = build_trainer(MegatronTrainer, plain_spec, path).compute_logprobs(batch)
+    assert (plain[real] - ours[real]).abs().max() > 1e-3
+    seen, handles = _router_choices(megatron)
+    try:
+        got = megatron.train_step(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    want = reference.train_step(batch)
+    assert set(got) == set(want)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert got["router_replay/changed"] == pytest.approx(want["router_replay/changed"])
+    assert got["router_replay/changed"] > 0
+    rows, cols = batch.input_ids.shape
+    assert len(seen) == 2  # one micro-batch, two MoE layers
+    predecessor = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+    predecessor[:, :-1] = batch.response_mask[:, 1:] > 0
+    for layer, routing_map in enumerate(seen):
+        chosen = routing_map.reshape(cols, rows, -1).transpose(0, 1)  # Megatron's tokens are sequence-major
+        recorded = torch.zeros_like(chosen).scatter(-1, batch.routed_experts[..., layer, :].long(), True)
+        assert torch.equal(chosen[:, :-1][predecessor[:, :-1]], recorded[:, 1:][predecessor[:, :-1]])
+        assert int(chosen[predecessor].sum(-1).min()) == 2
+
+
+def test_r3_refuses_a_batch_without_routing_and_a_dense_model(models) -> None:
+    from relax_plugins.trainer.megatron import MegatronTrainer
+
+    path = models["qwen3-moe"]
+    trainer = build_trainer(MegatronTrainer, trainer_spec(path, extra={"algorithm.router_replay": "r3"}), path)
+    with pytest.raises(ValueError, match="no routed experts"):
+        trainer.train_step(sample_batch())
+    dense = trainer_spec(models["qwen3"])
+    dense.algorithm.router_replay = "r3"  # validate refuses it for a dense model; the trainer must too
+    with pytest.raises(ValueError, match="dense qwen3 model.*router_replay: off"):
+        build_trainer(MegatronTrainer, dense, models["qwen3"])
+
+
+def test_r2_replays_the_routing_of_the_steps_start_like_torch(models) -> None:
+    """``own_routing`` records what the torch trainer's records (the same experts at every real
+    position), and an r2 step of two updates agrees with the torch trainer's in loss and gradient."""
+    from relax_plugins.trainer.megatron import MegatronTrainer
+    from relax_plugins.trainer.torch_trainer import TorchTrainer
+
+    path = models["qwen3-moe"]
+    spec = trainer_spec(path, micro_batch_size=3, extra={"algorithm.router_replay": "r2",
+                                                         "algorithm.updates_per_step": 2})
+    spec.roles.actor.optimizer.lr = 0.05  # the first update moves the routers
+    megatron, reference = build_trainer(MegatronTrainer, spec, path), build_trainer(TorchTrainer, spec, path)
+    batch = sample_batch()
+    ours, theirs = megatron.own_routing(batch), reference.own_routing(batch)
+    assert ours.shape == theirs.shape == (*batch.input_ids.shape, 2, 2)
+    attended = batch.attention_mask.bool()
+    both = torch.zeros_like(attended)
+    both[:, 1:] = attended[:, 1:] & attended[:, :-1]  # entry t: the routing of column t - 1
+    assert torch.equal(ours[both].sort(-1).values, theirs[both].long().sort(-1).values)
+    got, want = megatron.train_step(batch), reference.train_step(batch)
+    assert set(got) == set(want)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    # The second update replays routings the first update's router would now change.
+    assert got["router_replay/changed"] == pytest.approx(want["router_replay/changed"]) and got["router_replay/changed"] > 0
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"pp": 2}, {"ep": 2}])
+def test_r3_under_tensor_pipeline_or_expert_parallelism_matches_one_process(models, tmp_path, sizes) -> None:
+    """Replay under tp (each sequence-parallel rank replays its half of every sequence), pp (each
+    stage its own layers) and ep (two data-parallel ranks with their own rows, padded to the same
+    shapes) gives the one-process replayed log-probs, step, weights and mismatch figures (summed
+    over the data-parallel ranks, taken from the last stage)."""
+    from relax_plugins.trainer.megatron import MegatronTrainer
+
+    path = models["qwen3-moe"]
+    two = _run_ranks(path, tmp_path / "r3.pt", 2, check="r3", **sizes)
+    one = probe(build_trainer(MegatronTrainer, trainer_spec(path, extra={"algorithm.router_replay": "r3"}), path),
+                routed_batch())
+    real = _real_tokens(sample_batch())
+    assert torch.allclose(two["logprobs"][real], one["logprobs"][real], atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "router_replay/changed", "mismatch/tokens", "mismatch/kl", "mismatch/max_abs",
+                "mismatch/frac_over"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    assert one["metrics"]["router_replay/changed"] > 0
+    _assert_same(two["weights"], one["weights"], atol=1e-5)
+
+
+def test_mismatch_metrics_are_the_torch_trainers_and_vanish_on_the_same_log_probs(models) -> None:
+    """On the dense tiny model: the ``mismatch/*`` figures of the first mini-batch equal the torch
+    trainer's; with the rollout's log-probs equal to the trainer's they are ~0, rows of another
+    policy version are left out, and a shift of 0.1 in every log-prob gives k3(-0.1)."""
+    from relax_plugins.trainer.megatron import MegatronTrainer
+    from relax_plugins.trainer.torch_trainer import TorchTrainer
+
+    path = models["tiny-lm"]
+    spec = trainer_spec(path, extra={"algorithm.updates_per_step": 2})
+    batch = sample_batch()
+    megatron, reference = build_trainer(MegatronTrainer, spec, path), build_trainer(TorchTrainer, spec, path)
+    got, want = megatron.train_step(batch), reference.train_step(batch)
+    for key in ("mismatch/tokens", "mismatch/kl", "mismatch/max_abs", "mismatch/frac_over"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4), key
+    assert got["mismatch/kl"] > 0.1  # the sample batch's behaviour log-probs are random
+
+    fresh = build_trainer(MegatronTrainer, spec, path)
+    mask = batch.response_mask
+    own = fresh.compute_logprobs(batch) * mask
+    versions = torch.tensor([0, 0, 1, 0, 0, 1, 0])  # rows 2 and 5 are another version's: not counted
+    same = batch.with_fields(rollout_logprobs=own, policy_version=versions)
+    counted = float(mask[versions == 0].sum())
+    metrics = fresh.train_step(same)  # first mini-batch: rows 0-3 (version 0 rows 0, 1, 3)
+    assert metrics["mismatch/tokens"] == float(mask[[0, 1, 3]].sum())
+    assert 0.0 <= metrics["mismatch/kl"] < 1e-9 and metrics["mismatch/max_abs"] < 1e-5
+    assert metrics["mismatch/frac_over"] == 0.0
+    shifted = build_trainer(MegatronTrainer, trainer_spec(path), path)  # one update: every row counted
+    metrics = shifted.train_step(same.with_fields(rollout_logprobs=(own + 0.1) * mask))
+    assert metrics["mismatch/tokens"] == counted
+    assert metrics["mismatch/kl"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-3)
+    assert metrics["mismatch/max_abs"] == pytest.approx(0.1, abs=1e-5)
 
 
 # -- 3. through the runtime --------------------------------------------------------------------------

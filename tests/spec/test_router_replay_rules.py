@@ -1,5 +1,5 @@
 """``algorithm.router_replay``: refused for dense models and for backends that cannot record or
-replay routing (named in the message), accepted for the tiny Qwen3-MoE on hf and torch; the plan
+replay routing (named in the message), accepted for the tiny Qwen3-MoE on hf with torch or megatron; the plan
 wires the routed-experts column from the rollout to the actor only when r3 is on."""
 
 from __future__ import annotations
@@ -49,13 +49,27 @@ def test_off_is_fine_for_a_dense_model():
     assert _issues(_spec("off", moe=False)) == {}
 
 
-def test_backends_that_cannot_record_or_replay_are_named():
+def test_backends_that_cannot_record_or_replay_are_named(monkeypatch):
+    from relax.contracts import PluginKind
+    from relax.registry import get_registry
+
     issues = _issues(_spec("r3", rollout="vllm", actor="megatron"))
-    assert set(issues) == {"roles.rollout.backend", "roles.actor.backend"}
+    assert set(issues) == {"roles.rollout.backend"}
     assert "'vllm'" in issues["roles.rollout.backend"] and "record" in issues["roles.rollout.backend"]
-    assert "'megatron'" in issues["roles.actor.backend"] and "(r3; it supports none)" in issues["roles.actor.backend"]
-    # r2 asks nothing of the rollout: only the trainer is named.
-    assert set(_issues(_spec("r2", rollout="vllm", actor="megatron"))) == {"roles.actor.backend"}
+    # r2 asks nothing of the rollout.
+    assert _issues(_spec("r2", rollout="vllm", actor="megatron")) == {}
+    # A trainer that replays only some modes is named with the ones it supports.
+    megatron = get_registry().load(PluginKind.trainer, "megatron")
+    monkeypatch.setattr(megatron, "router_replay", frozenset({"r2"}))
+    issues = _issues(_spec("r3", actor="megatron"))
+    assert set(issues) == {"roles.actor.backend"}
+    assert "'megatron'" in issues["roles.actor.backend"] and "(r3; it supports r2)" in issues["roles.actor.backend"]
+    assert "router_replay: r2 or off" in issues["roles.actor.backend"]
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_the_megatron_trainer_replays_routing(mode):
+    assert _issues(_spec(mode, actor="megatron")) == {}
 
 
 def test_agentic_rollouts_are_refused_for_r3():
