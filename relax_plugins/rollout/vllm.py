@@ -33,6 +33,17 @@ trajectory's budget (``roles.rollout.agent.max_tokens``, from the context) in ag
 that does not fit with its budget is refused with advice). Media observations need the ``hf``
 backend.
 
+Routing (``algorithm.router_replay: r3``, ``context.record_routing``): the engine starts with vLLM's
+routed-experts capture (``enable_return_routed_experts``), which returns per request the top-k expert
+ids of every decoder layer at each position it routed, ``[positions, layers, k]``. Each request asks
+for positions from its prompt's last token on (``routed_experts_prompt_start = P - 1``), so a row of
+``P`` prompt and ``R`` response tokens comes back with positions ``P - 1 .. P + R - 2``: exactly
+``Generation.routed_experts`` (``relax_plugins.moe_routing``), once the dense layers' entries are
+dropped (``moe_layer_indices``). vLLM keeps the routing of cached prefix blocks beside the KV cache
+and forgets it when the prefix cache is reset (after every weight push). Its capture runs only in
+vLLM's model runner V2, which needs Triton (triton-cpu on CPUs), and only with prefix caching on;
+where either is missing the backend refuses ``record_routing`` when it is built, naming the cause.
+
 Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
 requests are queued while the scheduler is paused and released together, so the same weights,
 prompts and seed give the same batches and the same generations.
@@ -75,6 +86,9 @@ class VLLMRollout:
     #: Replicas are data parallel; tp, pp and ep are the engine's own tensor, pipeline and expert
     #: parallelism (GPUs only: the CPU backend runs one worker).
     parallelism: ClassVar[frozenset[str]] = frozenset({"dp", "tp", "pp", "ep"})
+    #: It records MoE routing for replay through vLLM's routed-experts capture (where the engine
+    #: can capture: model runner V2 with Triton; refused at build time elsewhere).
+    router_replay: ClassVar[frozenset[str]] = frozenset({"r3"})
 
     class Config(BaseModel):
         """Options of the vLLM rollout backend."""
@@ -112,6 +126,7 @@ class VLLMRollout:
         "pipeline_parallel_size", "enable_expert_parallel", "worker_extension_cls", "generation_config",
         "skip_tokenizer_init", "kv_cache_memory_bytes", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization",
+        "enable_return_routed_experts",
     })
 
     def __init__(self, config: VLLMRollout.Config, context: RolloutContext) -> None:
@@ -137,9 +152,14 @@ class VLLMRollout:
         if self.tied and "lm_head.weight" not in self.weight_shapes and "model.embed_tokens.weight" in self.weight_shapes:
             self.weight_shapes["lm_head.weight"] = self.weight_shapes["model.embed_tokens.weight"]
 
+        self.record_routing = bool(context.record_routing)
+        self.moe_layers = moe_layer_indices(self.hf_config.get_text_config())
+        """Decoder layers with a router, in model order (the capture's layers kept in the recording)."""
+
         import vllm  # noqa: F401  (a missing install fails here, before threads and processes)
 
         self._check_platform()
+        self._check_routing()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-rollout-loop", daemon=True)
@@ -200,6 +220,33 @@ class VLLMRollout:
                              f"does not support (it supports {', '.join(map(str, supported))}); use a model "
                              "with one of those (builtin:tiny-lm: model.options.head_dim >= 32) or the hf rollout")
 
+    def _check_routing(self) -> None:
+        """Routing capture (``record_routing``): an MoE model, prefix caching on, no pipeline
+        parallelism, and vLLM's model runner V2, which needs Triton (on CPUs triton-cpu); each
+        missing piece is refused here, before any process starts."""
+        if not self.record_routing:
+            return
+        if not self.moe_layers:
+            raise ValueError(f"algorithm.router_replay r3 records mixture-of-experts routing, but {self.model_path} "
+                             "is a dense model (no experts); set algorithm.router_replay: off")
+        if not self.config.enable_prefix_caching:
+            raise ValueError("roles.rollout.options.enable_prefix_caching is false, but vLLM's routed-experts capture "
+                             "(algorithm.router_replay r3) needs prefix caching; set it to true")
+        if self.context.parallel.pp > 1:
+            raise ValueError(f"roles.rollout.parallel.pp={self.context.parallel.pp}: vLLM's routed-experts capture "
+                             "(algorithm.router_replay r3) does not support pipeline parallelism; set pp to 1")
+        import vllm
+        from vllm.platforms import current_platform
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            needed = "triton-cpu (vLLM's CPU build uses Triton's CPU backend)" if current_platform.is_cpu() else "Triton"
+            raise ValueError(f"algorithm.router_replay r3 with the vllm rollout needs vLLM's routed-experts capture, "
+                             f"which vLLM {vllm.__version__} runs only in its model runner V2, and that needs "
+                             f"{needed}: this environment has no usable Triton. Install it in the rollout's "
+                             "environment, or use roles.rollout.backend hf (which records routing itself), or "
+                             "set algorithm.router_replay: r2 or off")
+
     def _engine_args(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -220,6 +267,8 @@ class VLLMRollout:
             gpu_memory_utilization=context.gpu_memory_utilization,
             disable_log_stats=True,
         )
+        if self.record_routing:
+            args["enable_return_routed_experts"] = True
         if config.kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(config.kv_cache_gib * GIB)
         if config.max_num_seqs is not None:
@@ -240,6 +289,8 @@ class VLLMRollout:
             env["OMP_NUM_THREADS"] = str(self.config.num_threads)
         if self.config.enforce_eager:
             env["TORCHDYNAMO_DISABLE"] = "1"
+        if self.record_routing:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with routed-experts capture
         return env
 
     async def _start_engine(self, args: Any) -> Any:
@@ -265,9 +316,12 @@ class VLLMRollout:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
         return ids[-self.max_prompt_tokens:]
 
-    def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None) -> Any:
+    def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None,
+                        prompt_tokens: int | None = None) -> Any:
         """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block;
-        ``max_tokens`` is the request's own budget (None: ``sampling.max_new_tokens``)."""
+        ``max_tokens`` is the request's own budget (None: ``sampling.max_new_tokens``).
+        ``prompt_tokens`` (the request's prompt length; needed when recording routing) has the
+        engine return routing from the prompt's last token on, the positions R3 keeps."""
         from vllm import SamplingParams
 
         from vllm.sampling_params import RequestOutputKind
@@ -276,6 +330,10 @@ class VLLMRollout:
         common = dict(n=1, max_tokens=budget, logprobs=0, seed=seed,
                       stop_token_ids=list(self.stop_token_ids), detokenize=False,
                       output_kind=RequestOutputKind.FINAL_ONLY)
+        if self.record_routing:
+            if not prompt_tokens:
+                raise ValueError("sampling_params needs prompt_tokens while recording routing (r3)")
+            common["routed_experts_prompt_start"] = int(prompt_tokens) - 1
         if sampling.temperature <= 0:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
@@ -287,7 +345,8 @@ class VLLMRollout:
             raise ValueError(f"n must be >= 1, got {n}")
         encoded = [self.encode_prompt(p) for p in prompts]
         rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
-        params = [self.sampling_params(sampling, _row_seed(seed, row)) for row in range(len(rows))]
+        params = [self.sampling_params(sampling, _row_seed(seed, row), prompt_tokens=len(ids))
+                  for row, (_, ids) in enumerate(rows)]
         return self._sample(rows, params)
 
     def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int) -> list[Generation]:
@@ -301,7 +360,8 @@ class VLLMRollout:
             budget = int(sampling.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens)
             self._check_token_prompt(index, prompt, budget)
             rows.append((index, list(prompt.ids)))
-            params.append(self.sampling_params(sampling, _row_seed(seed, index), max_tokens=budget))
+            params.append(self.sampling_params(sampling, _row_seed(seed, index), max_tokens=budget,
+                                               prompt_tokens=len(prompt.ids)))
         return self._sample(rows, params) if rows else []
 
     def _sample(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Generation]:
@@ -337,7 +397,8 @@ class VLLMRollout:
 
     def _generation(self, prompt_index: int, ids: list[int], output: Any) -> Generation:
         """A ``Generation`` from one finished vLLM request: its sampled tokens with their
-        log-probs; finished when a stop token ended it, the text decoded without that token."""
+        log-probs (and, recording routing, each token's routed experts); finished when a stop
+        token ended it, the text decoded without that token."""
         completion = output.outputs[0]
         response = list(completion.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response)]
@@ -350,6 +411,8 @@ class VLLMRollout:
             logprobs=logprobs,
             text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
             finished=finished,
+            routed_experts=(response_routing(completion.routed_experts, len(response), self.moe_layers)
+                            if self.record_routing else None),
         )
 
     async def _generate(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Any]:
@@ -408,7 +471,7 @@ class VLLMRollout:
             loaded = await engine.collective_rpc("relax_load_weights", args=(packed,))
             if any(count != len(packed) for count in loaded):
                 raise RuntimeError(f"a vLLM worker loaded {loaded} of {len(packed)} tensors")
-            await engine.reset_prefix_cache()
+            await _clear_prefix_cache(engine)
         finally:
             await engine.resume_generation()
 
@@ -448,7 +511,7 @@ class VLLMRollout:
             if len(versions) != 1 or any(count != len(self.weight_shapes) for _, count in results):
                 raise RuntimeError(f"vLLM's workers received [version, tensors] {results}; expected one version "
                                    f"and {len(self.weight_shapes)} tensors each")
-            await engine.reset_prefix_cache()
+            await _clear_prefix_cache(engine)
         finally:
             await engine.resume_generation()
         return versions.pop()
@@ -475,6 +538,50 @@ class VLLMRollout:
 
     def __del__(self) -> None:
         self.close()
+
+
+async def _clear_prefix_cache(engine: Any) -> None:
+    """Drop every cached prefix (its KV blocks, and the routing vLLM keeps beside them): after a
+    weight push they hold the old weights' keys and values, and a request reusing them would be
+    scored by a mix of old and new weights. vLLM reports a reset it could not do (blocks still held
+    by requests); that is an error here, not a stale cache served silently."""
+    if not await engine.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache after a weight push (blocks still in use); "
+                           "the engine keeps serving, but cached prefixes would mix old and new weights")
+
+
+def moe_layer_indices(text_config: Any) -> list[int]:
+    """The decoder layers of a Hugging Face text config that route to experts, in order (empty for
+    a dense model): vLLM's capture has an entry for every decoder layer, ``Generation.routed_experts``
+    one per MoE layer. Qwen2/Qwen3-MoE place experts in layers ``i`` with ``(i + 1) %
+    decoder_sparse_step == 0`` outside ``mlp_only_layers``; DeepSeek-style configs keep the first
+    ``first_k_dense_replace`` layers dense."""
+    experts = int(getattr(text_config, "num_experts", 0) or getattr(text_config, "num_local_experts", 0)
+                  or getattr(text_config, "n_routed_experts", 0) or 0)
+    if experts <= 0:
+        return []
+    only_dense = {int(i) for i in (getattr(text_config, "mlp_only_layers", None) or [])}
+    step = int(getattr(text_config, "decoder_sparse_step", 1) or 1)
+    first_sparse = int(getattr(text_config, "first_k_dense_replace", 0) or 0)
+    return [i for i in range(int(text_config.num_hidden_layers))
+            if i not in only_dense and (i + 1) % step == 0 and i >= first_sparse]
+
+
+def response_routing(captured: Any, response_tokens: int, moe_layers: list[int]) -> list[list[list[int]]]:
+    """``Generation.routed_experts`` of one request from vLLM's capture (``CompletionOutput.routed_experts``,
+    an array ``[positions, decoder layers, k]`` that ends at the position of the last response
+    token's predecessor, ``P + R - 2``): its last ``response_tokens`` positions (``P - 1 .. P + R - 2``),
+    the MoE layers' entries only, as ``[tokens][MoE layers][k]`` ints."""
+    if captured is None:
+        raise RuntimeError("vLLM returned no routed experts for a request although the engine captures them "
+                           "(enable_return_routed_experts); the engine and this backend disagree on the capture")
+    shape = tuple(getattr(captured, "shape", ()))
+    if len(shape) != 3 or shape[0] < response_tokens or (moe_layers and shape[1] <= max(moe_layers)):
+        raise RuntimeError(f"vLLM's routed experts have shape {shape}; expected at least {response_tokens} "
+                           f"positions (one per response token) and {max(moe_layers, default=-1) + 1} layers")
+    if response_tokens == 0:
+        return []
+    return captured[shape[0] - response_tokens:][:, moe_layers].tolist()
 
 
 async def _stop_output_handler(engine: Any) -> None:
