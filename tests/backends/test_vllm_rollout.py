@@ -292,6 +292,60 @@ def test_load_weights_rejects_a_mismatch_and_keeps_the_old_weights(engine, spec)
     assert [(g.response_ids, g.logprobs) for g in after] == [(g.response_ids, g.logprobs) for g in before]
 
 
+#: Prompts sharing a 36-token prefix: with 32-token KV blocks, one full block of it is cached
+#: and reused by every later request of these prompts (the character tokenizer: one token a character).
+SHARED_PREFIX = "1+2+3+4+5+6+7+8+9+" * 2
+PREFIXED = [SHARED_PREFIX + tail for tail in ("1=", "22=", "3+4=")]
+
+
+def perturbed_checkpoint(model_path: str, folder: Path, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The model's weights plus seeded noise, saved as a checkpoint folder (with the tokenizer);
+    returns its state dict, as a trainer would push it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * scale)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_weight_push_leaves_no_stale_prefix_in_the_cache(tmp_path, tiny_model_path):
+    """Generate on prompts sharing a prefix (its KV blocks cached), push new weights, generate again
+    with a fixed seed: tokens and log-probs equal a fresh engine's on the new weights. A cached
+    prefix surviving the push would score the tails against the old weights' keys and values."""
+    spec = make_spec(tiny_model_path, **{"data.max_prompt_tokens": 48})
+    options = {**OPTIONS, "engine_args": {"block_size": 32}}
+    pushed = perturbed_checkpoint(tiny_model_path, tmp_path / "pushed")
+    sampled = spec.roles.rollout.sampling
+    engine = build_rollout(spec, tiny_model_path, **options)
+    try:
+        before = engine.generate(PREFIXED, N, sampled, seed=7)
+        # The prefix cache is warm: a further request of these prompts reuses the shared block.
+        rows = [(0, engine.encode_prompt(PREFIXED[1]))]
+        (warm,) = engine._call(engine._generate(rows, [engine.sampling_params(sampled, 1)]))
+        assert warm.num_cached_tokens >= 32
+        engine.load_weights(pushed, version=1)
+        after = engine.generate(PREFIXED, N, sampled, seed=7)
+    finally:
+        engine.close()
+    fresh = build_rollout(spec, str(tmp_path / "pushed"), **options)
+    try:
+        expected = fresh.generate(PREFIXED, N, sampled, seed=7)
+    finally:
+        fresh.close()
+    moved = max(abs(a - b) for x, y in zip(before, expected) for a, b in zip(x.logprobs, y.logprobs))
+    assert moved > 1e-2  # the new weights score these prompts differently
+    assert [g.response_ids for g in after] == [g.response_ids for g in expected]
+    diff = max(abs(a - b) for x, y in zip(after, expected) for a, b in zip(x.logprobs, y.logprobs))
+    print(f"\nafter a push vs a fresh engine on the pushed weights: max |logprob diff| {diff:.2e} "
+          f"(the push moved them by up to {moved:.2e})")
+    assert diff < 1e-5
+
+
 def _collective_push(sender, engine, weights, version) -> float:
     """One round over the weight group (the trainer's side on a thread): seconds until loaded."""
     import threading
