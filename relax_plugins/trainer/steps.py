@@ -81,6 +81,19 @@ def add_weighted(stats: dict[str, float], loss: float, metrics: dict[str, float]
         stats[key] = stats.get(key, 0.0) + share * float(value)
 
 
+def routing_to_replay(mode: str, batch: Any, updates: int, own_routing: Any) -> Any:
+    """The batch a train step runs on under ``algorithm.router_replay`` ``mode``: ``r3`` needs the
+    rollout's recorded experts on it; ``r2`` with several updates gets the trainer's own routing
+    (``own_routing(batch)``, before the first update) so every update replays it; else as it is."""
+    if mode == "r3" and batch.routed_experts is None:
+        raise ValueError("algorithm.router_replay=r3 but the batch has no routed experts: the rollout did not "
+                         "record them (its backend must record routing, e.g. hf, and write the routed_experts "
+                         "column)")
+    if mode == "r2" and updates > 1:  # the first update would replay itself: no pass needed
+        return batch.with_fields(routed_experts=own_routing(batch))
+    return batch
+
+
 def step_result(totals: dict[str, float], taken: int, tokens: int, optimizer: Any, version: int) -> dict[str, float]:
     """What ``train_step`` returns: the mean over updates of the summed stats, plus ``tokens``
     (this rank's response tokens), ``lr``, ``updates`` and ``version``."""

@@ -308,16 +308,12 @@ class TorchTrainer:
         if dist is not None and batch.batch_size < updates:
             raise ValueError(f"this rank got {batch.batch_size} samples, fewer than "
                              f"algorithm.updates_per_step={updates}; give each rank at least that many")
-        from relax_plugins.trainer.steps import add_weighted, micro_batch_share, minibatch_bounds, step_result
+        from relax_plugins.trainer.steps import (add_weighted, micro_batch_share, minibatch_bounds, routing_to_replay,
+                                                 step_result)
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.optimizer_info.grad_clip
-        if self.router_replay == "r3" and batch.routed_experts is None:
-            raise ValueError("algorithm.router_replay=r3 but the batch has no routed experts: the rollout did not "
-                             "record them (its backend must record routing, e.g. hf, and write the routed_experts "
-                             "column)")
-        if self.router_replay == "r2" and updates > 1:  # the first update would replay itself: no pass needed
-            batch = batch.with_fields(routed_experts=self.own_routing(batch))
+        batch = routing_to_replay(self.router_replay, batch, updates, self.own_routing)
         self._replay_stats.clear()
         totals: dict[str, float] = {}
         taken = 0
