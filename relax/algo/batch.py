@@ -193,10 +193,19 @@ class TrainBatch:
 
     def split(self, rows_per_part: int) -> Iterator[TrainBatch]:
         """Consecutive parts of at most ``rows_per_part`` rows, each trimmed of padding columns."""
+        for _, _, part in self.parts(rows_per_part):
+            yield part
+
+    def parts(self, rows_per_part: int) -> Iterator[tuple[slice, slice, TrainBatch]]:
+        """Consecutive parts of at most ``rows_per_part`` rows, each trimmed of padding columns, with
+        the rows and columns of this batch each one holds (where a per-part result goes back)."""
         if rows_per_part < 1:
             raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
         for start in range(0, self.batch_size, rows_per_part):
-            yield self.select(slice(start, start + rows_per_part)).trim()
+            rows = slice(start, start + rows_per_part)
+            part = self.select(rows)
+            columns = part.used_columns()
+            yield rows, columns, part.select_columns(columns)
 
     def to(self, device: str | torch.device) -> TrainBatch:
         return TrainBatch(**{k: None if v is None else v.to(device) for k, v in self._tensors().items()},

@@ -480,12 +480,9 @@ class MegatronTrainer:
         if self._replays is None:
             raise RuntimeError("own_routing needs algorithm.router_replay r2 or r3 (the routers' replay hooks)")
         places, parts = [], []
-        for start in range(0, batch.batch_size, self.micro_batch_size):
-            rows = slice(start, start + self.micro_batch_size)
-            part = batch.select(rows)
-            cols = part.used_columns()
+        for rows, cols, part in batch.parts(self.micro_batch_size):
             places.append((rows, cols))
-            parts.append(part.select_columns(cols).with_fields(routed_experts=None))
+            parts.append(part.with_fields(routed_experts=None))
         self._recording = []
         try:
             self.model.eval()
@@ -565,12 +562,9 @@ class MegatronTrainer:
 
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         places, parts = [], []
-        for start in range(0, batch.batch_size, self.micro_batch_size):
-            rows = slice(start, start + self.micro_batch_size)
-            part = batch.select(rows)
-            cols = part.used_columns()
+        for rows, cols, part in batch.parts(self.micro_batch_size):
             places.append((rows, cols))
-            parts.append(part.select_columns(cols))
+            parts.append(part)
 
         def on_logits(micro: MicroBatch, logits: Any) -> None:
             ids = micro.batch.input_ids.to(self.device)

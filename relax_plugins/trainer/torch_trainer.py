@@ -253,11 +253,7 @@ class TorchTrainer:
         out = None
         self.model.eval()
         with torch.no_grad():
-            for start in range(0, batch.batch_size, self.micro_batch_size):
-                rows = slice(start, start + self.micro_batch_size)
-                part = batch.select(rows)
-                cols = part.used_columns()
-                part = part.select_columns(cols)
+            for rows, cols, part in batch.parts(self.micro_batch_size):
                 with recorded_routing(self.model, *part.input_ids.shape) as recorded:
                     self._plain_logits(part)
                 table = recorded[0].cpu()
@@ -273,11 +269,8 @@ class TorchTrainer:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         self.model.eval()
         with torch.no_grad():
-            for start in range(0, batch.batch_size, self.micro_batch_size):
-                rows = slice(start, start + self.micro_batch_size)
-                part = batch.select(rows)
-                cols = part.used_columns()
-                out[rows, cols] = forward(part.select_columns(cols)).float().cpu()
+            for rows, cols, part in batch.parts(self.micro_batch_size):
+                out[rows, cols] = forward(part).float().cpu()
         return out
 
     # -- training ---------------------------------------------------------------------------------
