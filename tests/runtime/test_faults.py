@@ -108,7 +108,9 @@ def test_a_hung_rollout_past_its_restart_budget_stops_the_run_with_a_report(tmp_
 
 
 def test_rollout_scales_from_one_to_two_replicas_and_back_mid_run(tmp_path) -> None:
-    steps = 80
+    # Enough steps that the run outlasts both changes: a step of the tiny preset takes under 0.1 s
+    # here, and starting the extra replica takes seconds (at 80 steps the run ended before the shrink).
+    steps = 300
     run = LiveRun(tmp_path, "scale", *FAULTS, f"trainer.steps={steps}", "roles.rollout.max_replicas=2").start()
     run.wait_rows(2)
     grown = run.scale(2)
