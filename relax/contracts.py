@@ -322,6 +322,10 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
               "Routing replay modes the rollout serves: r3, it records each response token's routed "
               "experts (Generation.routed_experts) when its context asks (record_routing).",
               _subset_of(frozenset({"r3"}))),
+        Trait("pausable", "a bool", False,
+              "generate_tokens(prompts, sampling, seed, pause=...) stops every row at the token where "
+              "pause(rows_done) answers True and returns them as far as they got: partial rollouts "
+              "(roles.rollout.partial) swap weights there and continue.", _is_bool),
     ),
     PluginKind.trainer: _traits(
         _MODALITIES, _PARALLELISM,

@@ -69,8 +69,8 @@ class Column(StrEnum):
 #: plan's bus fields list the same).
 ROLLOUT_COLUMNS: tuple[Column, ...] = (Column.prompt, Column.response, Column.label, Column.input_ids,
                                        Column.rollout_logprobs, Column.lengths)
-#: Token columns the rollout writes for agentic runs (``roles.rollout.agent``), read by every role
-#: that reads tokens.
+#: Token columns the rollout writes for agentic runs (``roles.rollout.agent``) and partial rollouts
+#: (``roles.rollout.partial``), read by every role that reads tokens.
 AGENT_COLUMNS: tuple[Column, ...] = (Column.loss_mask, Column.token_versions)
 #: Token columns the rollout writes for rollout routing replay (``algorithm.router_replay: r3``),
 #: read by the actor.

@@ -269,6 +269,8 @@ class RunSettings(PlanPart):
     agent: AgentSpec | None = None
     """``roles.rollout.agent``: multi-turn agentic rollouts (the environment itself is among the
     rollout's plugins); None: one response per sample."""
+    partial: bool = False
+    """``roles.rollout.partial``: partial rollouts (``relax.runtime.partial``)."""
     mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
     """``async_policy.mismatch``: the alarm on the actor's ``mismatch/kl`` (relax.algo.mismatch)."""
 

@@ -176,8 +176,10 @@ def _media(spec: RunSpec) -> tuple[str, ...]:
 
 
 def _agent(spec: RunSpec) -> tuple[str, ...]:
-    """The token columns of agentic runs: which tokens the policy chose, and with which version."""
-    return AGENT_COLUMNS if spec.roles.rollout.agent is not None else ()
+    """The token columns of agentic runs and partial rollouts: which tokens the policy chose, and
+    with which version."""
+    rollout = spec.roles.rollout
+    return AGENT_COLUMNS if rollout.agent is not None or rollout.partial else ()
 
 
 def _routing(spec: RunSpec) -> tuple[str, ...]:
@@ -370,4 +372,5 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
         fault_tolerance=spec.fault_tolerance.model_copy(deep=True), tracing=spec.tracing.model_copy(deep=True),
         bus_node_resource=spec.cluster.bus_node_resource,
         agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True),
+        partial=spec.roles.rollout.partial,
         mismatch=spec.async_policy.mismatch.model_copy(deep=True))

@@ -56,6 +56,11 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
     row.update(actor.get("mismatch", {}))  # mismatch/* keys as they are
     # Per reward entry: mean, count, errors and time (``reward/<id>/mean`` ...).
     row.update({f"reward/{k}": v for k, v in reward.get("rewards", {}).items()})
+    if rollout.get("partial_samples"):  # partial rollouts: per sample, over the step
+        samples = rollout["partial_samples"]
+        row.update({"partial/interrupted_frac": rollout["partial_interrupted"] / samples,
+                    "partial/versions_per_sample_mean": rollout["partial_versions"] / samples,
+                    "partial/swaps": rollout["partial_swaps"], "partial/calls": rollout["partial_calls"]})
     if "skipped_samples" in rollout:  # multimodal runs: rows replaced for bad media
         row["data/skipped_samples"] = rollout["skipped_samples"]
     if "agent_turns" in rollout:  # agentic rollouts: per trajectory, over the step

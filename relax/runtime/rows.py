@@ -56,7 +56,7 @@ def rollout_columns(gens: Sequence[Generation], prompts: Sequence[str], labels: 
     }
     if media is not None:
         columns[Column.media] = [str(media[g.prompt_index]) for g in gens]
-    if any(g.loss_mask is not None for g in gens):  # agentic trajectories
+    if any(g.loss_mask is not None or g.token_versions is not None for g in gens):  # trajectories, partial rollouts
         columns.update(agent_columns(gens, ragged, input_ids))
     if any(g.routed_experts is not None for g in gens):  # MoE routing replay (r3)
         columns[Column.routed_experts] = routing_column(gens, ragged, input_ids)

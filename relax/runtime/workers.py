@@ -242,9 +242,9 @@ class RoleWorker:
         for backend in self._ranked().values():
             backend.close()
         for loop in self.loops:
-            agent = getattr(loop, "agent", None)
-            if agent is not None:  # the gateway's endpoint, if one was started
-                agent.close()
+            close = getattr(loop, "close", None)
+            if close is not None:  # a rollout's agent gateway endpoint and version watch
+                close()
         self.env.telemetry.shutdown()
         if self.env.bus is not None:
             self.env.bus.close()

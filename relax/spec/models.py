@@ -386,6 +386,12 @@ class RolloutRole(Section):
     agent: AgentSpec | None = None
     """Multi-turn agentic rollouts with an environment or an agent program (docs/agents.md); null:
     one response per sample."""
+    partial: bool = False
+    """Partial rollouts (separate or hybrid mode, docs/off-policy.md): when a newer policy is
+    published, generation pauses at a token boundary, the weights are swapped and every unfinished
+    sample continues under the new policy; the next step's samples are started beside the long
+    tail of this one once the staleness bound admits them. Each token keeps the version that chose
+    it and a sample's staleness counts from its oldest token; nothing is dropped."""
 
     @property
     def gpus(self) -> int:

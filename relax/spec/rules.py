@@ -643,6 +643,43 @@ def check_agent(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "install the package of the agent program, or run from the folder that holds it")
 
 
+@rule("roles", "placement", "algorithm", "data")
+def check_partial(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """Partial rollouts swap weights in the middle of generation, which needs the trainer in another
+    process, a backend that can pause (its ``pausable`` trait), text samples and one rollout replica
+    generating whole steps (it keeps the next step's drafts)."""
+    rollout = spec.roles.rollout
+    if not rollout.partial:
+        return
+    fix = "set roles.rollout.partial: false"
+    if spec.placement.mode == "colocate":
+        yield SpecIssue("roles.rollout.partial", "partial rollouts need the trainer in another process, but in "
+                        "colocate mode rollout and training alternate (no weights arrive mid-generation)",
+                        f"use placement.mode: separate or hybrid, or {fix}")
+    backend = ctx.plugin(PluginKind.rollout, rollout.backend)
+    if backend is not None and not (trait(backend, PluginKind.rollout, "pausable")
+                                    and callable(getattr(backend, "encode_prompt", None))):
+        yield SpecIssue("roles.rollout.backend", f"rollout backend '{rollout.backend}' cannot pause generation at a "
+                        "token boundary (it does not declare the pausable trait)", f"use hf, or {fix}")
+    if rollout.agent is not None:
+        yield SpecIssue("roles.rollout.partial", "partial rollouts and agentic rollouts (roles.rollout.agent) do "
+                        "not combine yet", f"remove roles.rollout.agent, or {fix}")
+    if spec.algorithm.dynamic_sampling.enabled:
+        yield SpecIssue("roles.rollout.partial", "partial rollouts and dynamic sampling do not combine (dynamic "
+                        "sampling draws extra prompts the next step's drafts cannot know)",
+                        f"set algorithm.dynamic_sampling.enabled: false, or {fix}")
+    if spec.data.media_keys:
+        yield SpecIssue("roles.rollout.partial", "partial rollouts take text samples only for now",
+                        f"remove data.media_keys, or {fix}")
+    if spec.algorithm.router_replay == "r3":
+        yield SpecIssue("roles.rollout.partial", "partial rollouts do not carry routed experts over a pause yet "
+                        "(r3)", f"set algorithm.router_replay: r2 or off, or {fix}")
+    if spec.rollout_units()[1] != 1 or rollout.replica_limit != 1:
+        yield SpecIssue("roles.rollout.partial", "partial rollouts run with one rollout replica generating whole "
+                        "steps (it keeps the next step's drafts between steps)",
+                        f"set roles.rollout.replicas: 1 with no max_replicas or unit_prompts, or {fix}")
+
+
 @rule("algorithm", "roles", "model")
 def check_router_replay(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Routing replay needs a mixture-of-experts model and backends that record (the rollout,

@@ -115,14 +115,21 @@ class TinyLM:
         """Longest sequence (prompt plus response) in tokens."""
         tie_embeddings: bool = True
         """Share the input embedding with the output head."""
-        task: Literal["arithmetic", "judge", "calculator"] = "arithmetic"
+        task: Literal["arithmetic", "judge", "calculator", "long_tail"] = "arithmetic"
         """Task of the warm-up: ``arithmetic`` teaches the default ``synthetic:arithmetic`` format;
         ``judge`` makes a grader of it: given ``JUDGE_TEMPLATE`` filled with a problem and a candidate
         response it answers ``yes`` (the response is exactly the answer) or ``no`` (for the ``genrm``
         reward's tests and demos); ``calculator`` teaches the ``synthetic:products`` task as an agent
         of the ``calculator`` environment, through ``CHAT_TEMPLATE`` (saved with the tokenizer): a
         tool call, the tool's result, then the answer copied from it, or, more often, a direct
-        answer that is usually wrong (``warmup_tool_probability``)."""
+        answer that is usually wrong (``warmup_tool_probability``); ``long_tail`` is arithmetic with
+        response lengths that vary widely: most responses stop after the answer, a few
+        (``long_tail_probability``) ramble on for up to ``long_tail_tokens`` tokens, the long tail
+        that partial rollouts are for (``presets/tiny-longtail-cpu.yaml``)."""
+        long_tail_probability: float = Field(0.1, ge=0.0, le=1.0)
+        """``task: long_tail`` only: share of warm-up targets that ramble on after the answer."""
+        long_tail_tokens: int = Field(48, ge=2)
+        """``task: long_tail`` only: a rambling target adds between half this and this many tokens."""
         warmup_tool_probability: float = Field(0.25, ge=0.0, le=1.0)
         """``task: calculator`` only: share of warm-up trajectories that call the tool (and copy its
         result); the others answer directly with a plausible but usually wrong number. The model

@@ -102,19 +102,23 @@ def build_model(config: TinyLM.Config, tokenizer: Any) -> Any:
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
-def task_examples(tokenizer: Any, rng: random.Random, count: int,
-                  stop_probability: float = 1.0) -> list[tuple[list[int], list[int], str]]:
+def task_examples(tokenizer: Any, rng: random.Random, count: int, stop_probability: float = 1.0,
+                  long_tail: tuple[float, int] | None = None) -> list[tuple[list[int], list[int], str]]:
     """``count`` problems of the task as (prompt ids, target ids ending in eos, answer text).
 
     With probability ``1 - stop_probability`` the target rambles on after the answer (a space and
     one to three random digits or ``+``) before its eos: a response exact match scores as wrong.
+    ``long_tail`` (probability, tokens): that share of the targets rambles on for between half the
+    tokens and all of them instead (``task: long_tail``).
     """
     options = ArithmeticDataset.Config()
     out = []
     for _ in range(count):
         item = arithmetic_problem(rng, options.max_operand, list(options.operations))
         target = item["answer"]
-        if rng.random() >= stop_probability:
+        if long_tail is not None and rng.random() < long_tail[0]:
+            target += " " + "".join(rng.choice(RAMBLE) for _ in range(rng.randint(long_tail[1] // 2, long_tail[1]) - 1))
+        elif rng.random() >= stop_probability:
             target += " " + "".join(rng.choice(RAMBLE) for _ in range(rng.randint(1, 3)))
         prompt = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
         ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -323,6 +327,9 @@ def example_maker(config: TinyLM.Config, tokenizer: Any) -> Callable[[random.Ran
     if config.task == "calculator":
         layout = CalculatorLayout(tokenizer)
         return lambda rng, count: calculator_examples(tokenizer, rng, count, config.warmup_tool_probability, layout)
+    if config.task == "long_tail":
+        tail = (config.long_tail_probability, config.long_tail_tokens)
+        return lambda rng, count: task_examples(tokenizer, rng, count, config.warmup_stop_probability, tail)
     maker = judge_examples if config.task == "judge" else task_examples
     return lambda rng, count: maker(tokenizer, rng, count, config.warmup_stop_probability)
 

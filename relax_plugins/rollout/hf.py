@@ -13,7 +13,7 @@ temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,9 @@ class HFRollout:
     weight_group_ranks: ClassVar[int] = 1
     #: It records MoE routing for replay (Qwen2/Qwen3-MoE routers, ``relax_plugins.moe_routing``).
     router_replay: ClassVar[frozenset[str]] = frozenset({"r3"})
+    #: ``generate_tokens`` honours ``pause``: partial rollouts (``roles.rollout.partial``) can stop
+    #: it at a token boundary to swap weights, and continue from the tokens it returned.
+    pausable: ClassVar[bool] = True
 
     class Config(BaseModel):
         """Options of the Hugging Face rollout backend."""
@@ -139,13 +142,19 @@ class HFRollout:
                 out += self._generate_rows(chunk, sampling, extra)
         return out
 
-    def generate_tokens(self, prompts: list[Any], sampling: Any, seed: int) -> list[Generation]:
+    def generate_tokens(self, prompts: list[Any], sampling: Any, seed: int,
+                        pause: Callable[[list[bool]], bool] | None = None) -> list[Generation]:
         """One response to each ``relax.contracts.TokenPrompt`` (a multi-turn trajectory's tokens so
         far, used as given: never re-tokenized or cut), in order, each within its own budget.
 
         One ``generate`` call at the largest budget; a response is then cut to its own budget (a
         prefix of a sample is a sample with the same log-probs). The media of each prompt are
-        rebuilt from their references item by item (``processing.ItemEncoder``), as the trainer does."""
+        rebuilt from their references item by item (``processing.ItemEncoder``), as the trainer does.
+
+        ``pause`` (partial rollouts) is asked after every generated token with each row's state
+        (True once it ended or used its budget); when it answers True every row stops there and
+        comes back as far as it got (``finished`` False and shorter than its budget when it was cut
+        short), so the caller can continue it, with other weights, from its tokens."""
         import torch
 
         if not prompts:
@@ -167,7 +176,8 @@ class HFRollout:
             torch.manual_seed(seed)
             if self.device.type == "cuda":
                 torch.cuda.manual_seed(seed)
-            out = self._generate_rows(rows, widest, extra)
+            out = self._generate_rows(rows, widest, extra,
+                                      None if pause is None else _PauseAt(pause, self.stop_token_ids, budgets))
         return [self._cut(g, budget) for g, budget in zip(out, budgets)]
 
     def _cut(self, generation: Generation, budget: int) -> Generation:
@@ -216,7 +226,7 @@ class HFRollout:
         )
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any,
-                       media_inputs: dict[str, Any] | None = None) -> list[Generation]:
+                       media_inputs: dict[str, Any] | None = None, pause: Any = None) -> list[Generation]:
         import torch
 
         width = max(len(ids) for _, ids in rows)
@@ -235,6 +245,7 @@ class HFRollout:
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=self._generation_config(sampling),
+                **({} if pause is None else {"stopping_criteria": pause.criteria(width)}),
                 **(media_inputs or {}),
             )
         new_tokens = result.sequences[:, width:].cpu()
@@ -299,6 +310,33 @@ class HFRollout:
         recipient, self._recipient = self._recipient, None
         if recipient is not None:
             recipient.close()
+
+
+class _PauseAt:
+    """Asks a partial rollout's ``pause`` after each generated token whether to stop the whole
+    batch there (a ``transformers`` stopping criterion that stops every row or none)."""
+
+    def __init__(self, pause: Callable[[list[bool]], bool], stop_token_ids: list[int], budgets: list[int]) -> None:
+        self.pause, self.stops, self.budgets = pause, set(stop_token_ids), budgets
+        self.done = [False] * len(budgets)
+
+    def criteria(self, width: int) -> Any:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        import torch
+
+        outer = self
+
+        class Criterion(StoppingCriteria):
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                made = input_ids.shape[1] - width
+                for i, token in enumerate(input_ids[:, -1].tolist()):
+                    if not outer.done[i] and (token in outer.stops or made >= outer.budgets[i]):
+                        outer.done[i] = True
+                stop = bool(outer.pause(list(outer.done)))
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([Criterion()])
 
 
 def end_and_pad_ids(tokenizer: Any, model_path: str) -> tuple[int, int]:

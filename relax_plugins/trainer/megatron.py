@@ -636,7 +636,8 @@ class MegatronTrainer:
                                                                self.layout.vocab_size, wants_entropy)
                 if first:
                     mismatch.add(logprobs, part.rollout_logprobs,
-                                 same_version_mask(part.response_mask, part.policy_version, self.version))
+                                 same_version_mask(part.response_mask, part.policy_version, self.version,
+                                                   part.token_versions))
                 if wants_entropy:
                     loss, metrics = self.loss.compute(part, logprobs, entropy=entropy)
                 else:

@@ -226,7 +226,7 @@ class TorchTrainer:
         if mismatch is not None:
             from relax.algo.mismatch import same_version_mask
 
-            mask = same_version_mask(micro.response_mask, micro.policy_version, self.version)
+            mask = same_version_mask(micro.response_mask, micro.policy_version, self.version, micro.token_versions)
             mismatch.add(logprobs, micro.rollout_logprobs, mask)
 
     def compute_logprobs(self, batch: Any) -> Any:
