@@ -2,10 +2,10 @@
 one inference engine, over NCCL for CUDA tensors and over gloo for CPU tensors.
 
 The group is private to its members: a ``torch.distributed.TCPStore`` (the sender is its master,
-on a free port of its node) and a process group object built directly on that store
-(``ProcessGroupGloo`` / ``ProcessGroupNCCL``). Nothing here calls ``init_process_group`` or touches
-the default group of either side, so a trainer with its own tp/dp group and vLLM workers with
-theirs can both join. Rank 0 is the sender; the receivers are ranks 1..n (a vLLM engine's worker of
+on a free port of the one address it is given, loopback when every rank is on its node) and a
+process group object built directly on that store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``).
+Nothing here calls ``init_process_group`` or touches the default group of either side, so a
+trainer with its own tp/dp group and vLLM workers with theirs can both join. Rank 0 is the sender; the receivers are ranks 1..n (a vLLM engine's worker of
 rank r joins as 1 + r).
 
 Wire format of one round (round numbers count up from 1 on both sides):
@@ -85,6 +85,24 @@ def node_address(towards: str | None = None) -> str:
         probe.close()
 
 
+def _listen_on(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` and a free port, for the sender's store (which takes the
+    file descriptor over). Bound to that one address: with every rank on one node the sender's
+    host is loopback (an embedded run's Ray node is 127.0.0.1), so nothing off the machine can
+    reach the store; otherwise it is the node address the receivers were told."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise WeightGroupError(f"the weight sender cannot listen on {host} ({exc}); give it an address of this "
+                               "node") from exc
+    return listener
+
+
 def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -155,10 +173,13 @@ class WeightSender:
         self.host = host or node_address()
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = int(bucket_bytes)
-        # Port 0: the store binds a free port; receivers connect to it as clients.
-        self.store = dist.TCPStore(self.host, 0, None, True, timedelta(seconds=self.timeout_s),
-                                   wait_for_workers=False)
-        self.address = WeightGroupAddress(self.host, int(self.store.port), receivers + 1, self.timeout_s)
+        # The store listens on ``host`` alone (a free port), never on every interface: a store
+        # created by host and port binds all of them, so it is handed a socket bound here instead.
+        listener = _listen_on(self.host)
+        port = listener.getsockname()[1]
+        self.store = dist.TCPStore(self.host, port, None, True, timedelta(seconds=self.timeout_s),
+                                   wait_for_workers=False, master_listen_fd=listener.detach())
+        self.address = WeightGroupAddress(self.host, int(port), receivers + 1, self.timeout_s)
         self.group: Any = None
         self.backend: str | None = None
         self.round = 0

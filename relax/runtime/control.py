@@ -1,19 +1,28 @@
 """The running controller's small local HTTP endpoint, and the client ``relax scale`` uses.
 
 While a run is live, its controller serves on ``127.0.0.1`` (a free port) and writes the address
-to ``<output_dir>/control.json``; the file is removed when the run ends. Two calls:
+and a per-run secret to ``<output_dir>/control.json`` (created readable by its owner alone); the
+file is removed when the run ends. Two calls:
 
 - ``GET /status``: rollout replicas, sample counters, faults handled so far;
 - ``POST /scale`` with ``{"rollout": N}``: add or remove rollout replicas (elastic runs); the
   answer comes once the change is applied (new replicas synced and serving, removed ones drained).
+
+Loopback alone is no defence: any local user, and any web page in the user's browser, can reach
+127.0.0.1. So every request must carry ``Authorization: Bearer <secret>`` (else 401: only who can
+read ``control.json`` can call), and a POST must be ``Content-Type: application/json`` (else 415:
+a browser sends that cross-origin only after a preflight this server never grants). A malformed
+request gets 400 with what is wrong; a client that hangs up leaves no trace on the run's console.
 
 Only the standard library here: ``relax scale`` must not import ray or torch.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import threading
 import urllib.error
 import urllib.request
@@ -25,6 +34,10 @@ from typing import Any
 CONTROL_FILE = "control.json"
 #: How long ``relax scale`` waits for the controller to apply a change (new replicas build a model).
 SCALE_TIMEOUT_S = 600.0
+#: Largest request body read (a scale request is a few bytes).
+MAX_BODY_BYTES = 4096
+#: What a client's broken connection raises while the server reads or answers.
+HANG_UP = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
 class ControlError(Exception):
@@ -37,8 +50,8 @@ class ControlServer:
 
     def __init__(self, output_dir: Path, status: Callable[[], dict[str, Any]],
                  scale: Callable[[dict[str, int]], dict[str, Any]]) -> None:
-        handler = _handler(status, scale)
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.secret = secrets.token_urlsafe(32)
+        self.server = _Server(("127.0.0.1", 0), _handler(status, scale, self.secret))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.file = output_dir / CONTROL_FILE
@@ -47,7 +60,7 @@ class ControlServer:
                                         name="relax-control", daemon=True)
         self._thread.start()
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
+        write_private(self.file, json.dumps({"url": self.url, "pid": os.getpid(), "secret": self.secret}))
 
     def close(self) -> None:
         self.server.shutdown()
@@ -55,31 +68,96 @@ class ControlServer:
         self.file.unlink(missing_ok=True)
 
 
-def _handler(status: Callable[[], dict[str, Any]], scale: Callable[[dict[str, int]], dict[str, Any]]) -> type:
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable and writable by its owner alone, from its creation on (a chmod after
+    writing leaves a moment when others can read it). A stale file of an earlier run is replaced."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-request is its own business: no traceback on the run's
+        console. Anything else is the handler's bug and still reported."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], HANG_UP):
+            return
+        super().handle_error(request, client_address)
+
+
+def check_scale_request(request: Any) -> dict[str, int]:
+    """The body of ``POST /scale`` as ``{"rollout": N}``, or ControlError saying what is wrong."""
+    if not isinstance(request, dict) or not request:
+        raise ControlError(f'the body must be a JSON object such as {{"rollout": 2}}, not {str(request)[:80]}')
+    for role, count in request.items():
+        if role != "rollout":
+            raise ControlError(f"only the rollout role scales mid-run, not {str(role)[:40]!r}; send {{\"rollout\": N}}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ControlError(f"rollout={str(count)[:40]}: the replica count must be a whole number, 0 or more")
+    return request
+
+
+def _handler(status: Callable[[], dict[str, Any]], scale: Callable[[dict[str, int]], dict[str, Any]],
+             secret: str) -> type:
+    expected = f"Bearer {secret}".encode()
+
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except HANG_UP:
+                self.close_connection = True
+
+        def _authorized(self) -> bool:
+            given = self.headers.get("Authorization", "").encode(errors="replace")
+            if hmac.compare_digest(given, expected):
+                return True
+            self._answer(401, {"error": f"no or wrong secret: send 'Authorization: Bearer <secret>' with the "
+                                        f"secret from the run's {CONTROL_FILE} (relax scale does)"})
+            return False
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if not self._authorized():
+                return
             if self.path != "/status":
                 return self._answer(404, {"error": f"no {self.path}; use GET /status or POST /scale"})
             self._answer(200, status())
 
         def do_POST(self) -> None:  # noqa: N802
+            if not self._authorized():
+                return
             if self.path != "/scale":
                 return self._answer(404, {"error": f"no {self.path}; use GET /status or POST /scale"})
+            kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return self._answer(415, {"error": f"Content-Type must be application/json, not {kind or 'none'!r}"})
             try:
-                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                request = check_scale_request(json.loads(self._body()))
+            except ControlError as exc:
+                return self._answer(400, {"error": str(exc)})
+            except ValueError as exc:  # not JSON, not UTF-8, no or a bad Content-Length
+                return self._answer(400, {"error": f"the body is not a JSON object ({exc})"})
+            try:
                 self._answer(200, scale(request))
             except ControlError as exc:
                 self._answer(400, {"error": str(exc)})
             except Exception as exc:  # the controller's failure, reported to the caller
                 self._answer(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+        def _body(self) -> bytes:
+            given = self.headers.get("Content-Length") or "none"
+            length = int(given) if given.isdigit() else 0
+            if not 0 < length <= MAX_BODY_BYTES:
+                raise ValueError(f"Content-Length {given[:20]}: a body of 1 to {MAX_BODY_BYTES} bytes is needed")
+            return self.rfile.read(length)
 
         def log_message(self, *args: Any) -> None:  # no access log on the run's console
             return
@@ -109,9 +187,17 @@ def control_call(run_dir: Path, method: str, path: str, body: dict[str, Any] | N
     if not file.is_file():
         raise ControlError(f"no running controller for {run_dir} (no {CONTROL_FILE}): the run is not live, or "
                            "RUN_DIR is not its trainer.output_dir")
-    url = json.loads(file.read_text())["url"] + path
+    try:
+        found = json.loads(file.read_text())
+        url, secret = found["url"] + path, found["secret"]
+    except PermissionError:
+        raise ControlError(f"cannot read {file}: only the user who started the run can control it") from None
+    except (ValueError, KeyError, TypeError):
+        raise ControlError(f"{file} is not a live run's control file (no url and secret); the run may have been "
+                           "started by an older Relax, or ended") from None
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {secret}"}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())

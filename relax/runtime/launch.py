@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,8 @@ RUNTIME_MODULES = ("relax.telemetry", "relax.runtime.placement", "relax.runtime.
 #: ``worker_process_setup_hook``): for process-wide settings a backend needs on an unusual machine,
 #: such as a test harness's CPU stand-ins for CUDA calls. Plugins never rely on it.
 WORKER_SETUP_ENV = "RELAX_WORKER_SETUP"
+#: The one address an embedded Ray listens on: a run on one machine is reachable from it alone.
+LOOPBACK = "127.0.0.1"
 
 
 class LaunchError(Exception):
@@ -100,7 +104,9 @@ def bus_environment() -> None:
 
 
 def _init_ray(spec: RunSpec) -> bool:
-    """Start an embedded Ray (returns True) or join ``cluster.address`` (False)."""
+    """Start an embedded Ray (returns True) or join ``cluster.address`` (False). An embedded Ray
+    listens on loopback alone (``_loopback_node``); a joined cluster keeps the ports and addresses it
+    was started with (docs/security.md)."""
     import ray
 
     os.environ.update(QUIET_ENV)
@@ -113,11 +119,46 @@ def _init_ray(spec: RunSpec) -> bool:
         # processes inherit this environment, so the run needs no runtime_env of its own, and without
         # one Ray hands the actors the worker processes it prestarts (each saves a Python start and
         # `import ray`); a worker setup hook does need one.
-        ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
-                 logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None)
+        with _loopback_node():
+            ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
+                     logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None,
+                     _node_ip_address=LOOPBACK)
+        _check_loopback()
         return True
     ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=_runtime_env(hook))
     return False
+
+
+@contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Let ``ray.init`` keep ``_node_ip_address="127.0.0.1"``. Ray rewrites a loopback node address
+    to the machine's routable one (``services.resolve_ip_for_localhost``), and its processes bind
+    every interface unless their node address is loopback: with it, the GCS, the raylet and object
+    manager, every worker and the dashboard and runtime-env agents listen on 127.0.0.1 alone, and an
+    embedded run, which has one node, needs nothing more. Undone once Ray has started."""
+    from ray._private import services  # Ray's own helper; _check_loopback says so if it ever moves
+
+    original = getattr(services, "resolve_ip_for_localhost", None)
+    if original is None:
+        yield
+        return
+    services.resolve_ip_for_localhost = lambda host: host if host == LOOPBACK else original(host)
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+def _check_loopback() -> None:
+    """Say so when the embedded Ray did not come up on loopback (a Ray that changed its internals):
+    the run works, but its ports are open to the network."""
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    if address != LOOPBACK:
+        print(f"relax run: warning: this Ray ({ray.__version__}) started its node on {address}, not {LOOPBACK}: its "
+              "ports listen on every interface without authentication; keep the machine off untrusted networks "
+              "(docs/security.md)", file=sys.stderr)
 
 
 def _runtime_env(hook: str | None) -> dict[str, Any]:

@@ -7,12 +7,24 @@ Each batch is sent as one JSON POST (or several, ``batch_size`` samples each)::
 and the service answers ``{"scores": [float, ...]}``, one score per sample, in order. Connection
 failures, time-outs and the status codes in ``retry_statuses`` are retried with exponential
 backoff; any other error status fails at once with the service's own message.
+
+What it refuses to do, so that a misbehaving or hostile service cannot take more than it is given:
+
+- follow a redirect: the token and headers would go to a host the spec never named, and that host's
+  scores would be trusted. A 3xx is an error naming its ``Location``; point ``url`` there.
+- wait past ``timeout_s`` for one request: one deadline covers connecting, sending and reading the
+  whole answer, so a service trickling bytes is cut off (the socket is shut down at the deadline).
+- hammer a failing service: a batch spends at most ``max_failures_per_batch`` failed requests,
+  counting retries and the reward runner asking again sample by sample; the rest fail at once.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,13 +53,18 @@ class RemoteReward:
         url: str = "http://127.0.0.1:8000/score"
         """The service's endpoint (http or https)."""
         timeout_s: float = Field(30.0, gt=0.0)
-        """Longest wait for one request's answer."""
+        """Longest time one request may take, from connecting to the last byte of its answer."""
         retries: int = Field(3, ge=0)
         """Further attempts after a failed one (connection errors, time-outs, ``retry_statuses``)."""
         backoff_s: float = Field(0.5, ge=0.0)
         """Wait before the first retry; each next wait doubles, up to ``max_backoff_s``."""
         max_backoff_s: float = Field(8.0, ge=0.0)
         """Longest wait between two attempts."""
+        max_failures_per_batch: int = Field(8, ge=1)
+        """Failed requests (errors and time-outs, retries included) one batch may spend. The reward
+        runner asks again sample by sample when a batch fails, to find the samples at fault; against
+        a service that is down that is one batch request plus one per sample, each retried. Once
+        this budget is spent the batch's remaining samples fail at once, without a request."""
         retry_statuses: list[int] = Field(default_factory=lambda: [408, 429, 500, 502, 503, 504])
         """HTTP statuses worth another attempt (overload, a gateway hiccup); others fail at once."""
         batch_size: int | None = Field(None, ge=1)
@@ -67,6 +84,7 @@ class RemoteReward:
 
     def __init__(self, config: RemoteReward.Config) -> None:
         self.config = config
+        self._budget: _Budget | None = None
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **config.headers}
         if config.token_env:
             token = os.environ.get(config.token_env)
@@ -76,13 +94,22 @@ class RemoteReward:
             self.headers["Authorization"] = f"Bearer {token}"
 
     def score(self, samples: list[RewardSample]) -> list[float]:
+        budget = self._budget_for(samples)
         size = self.config.batch_size or max(1, len(samples))
         scores: list[float] = []
         for start in range(0, len(samples), size):
-            scores += self._post(samples[start:start + size])
+            scores += self._post(samples[start:start + size], budget)
         return scores
 
-    def _post(self, samples: list[RewardSample]) -> list[float]:
+    def _budget_for(self, samples: list[RewardSample]) -> _Budget:
+        """The batch these samples belong to: the last one when they all came in it (the reward
+        runner asking again sample by sample), else a new batch with a full budget."""
+        last = self._budget
+        if last is None or not samples or not all(id(s) in last.ids for s in samples):
+            last = self._budget = _Budget(samples, self.config.max_failures_per_batch)
+        return last
+
+    def _post(self, samples: list[RewardSample], budget: _Budget) -> list[float]:
         cfg = self.config
         body = json.dumps({"samples": [{"prompt": s.prompt, "response": s.response, "label": s.label,
                                         "metadata": s.metadata} for s in samples]}, default=str).encode()
@@ -90,26 +117,54 @@ class RemoteReward:
         wait = cfg.backoff_s
         last = ""
         for attempt in range(1, attempts + 1):
-            request = urllib.request.Request(cfg.url, data=body, headers=self.headers, method="POST")
+            if budget.left <= 0:
+                raise RemoteRewardError(f"remote: no request sent: this batch already had {budget.spent} failed "
+                                        f"request(s) to {cfg.url} (options.max_failures_per_batch); last: "
+                                        f"{budget.last or last}. Check that the service is up")
             try:
-                with urllib.request.urlopen(request, timeout=cfg.timeout_s) as response:
-                    return self._scores(response.read(), len(samples))
+                return self._scores(self._request(body), len(samples))
             except urllib.error.HTTPError as exc:
-                detail = exc.read()[:BODY_EXCERPT].decode(errors="replace").strip()
-                last = f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
+                budget.fail(last := _status_line(exc))
+                if 300 <= exc.code < 400:
+                    raise RemoteRewardError(
+                        f"remote: POST {cfg.url} answered {exc.code} {exc.reason}, a redirect to "
+                        f"{exc.headers.get('Location') or 'nowhere named'}; redirects are not followed (the token "
+                        "and headers would go to another address): set options.url to the final address") from None
                 if exc.code not in cfg.retry_statuses:
                     raise RemoteRewardError(f"remote: POST {cfg.url} answered {last}; fix the request or the "
                                             "service (this status is not retried)") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            except _Expired:
+                budget.fail(last := f"no complete answer within timeout_s={cfg.timeout_s}")
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
                 reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-                    last = f"no answer within timeout_s={cfg.timeout_s}"
+                    last = f"no complete answer within timeout_s={cfg.timeout_s}"
+                budget.fail(last)
             if attempt < attempts:
                 time.sleep(min(wait, cfg.max_backoff_s))
                 wait *= 2
         raise RemoteRewardError(f"remote: POST {cfg.url} failed after {attempts} attempt(s); last: {last}. Check "
                                 "that the service is up, or raise options.timeout_s / options.retries")
+
+    def _request(self, body: bytes) -> bytes:
+        """One POST and its whole answer within ``timeout_s``; raises ``_Expired`` past it."""
+        deadline = _Deadline(self.config.timeout_s)
+        opener = urllib.request.build_opener(_NoRedirects, deadline.handler(urllib.request.HTTPHandler),
+                                             deadline.handler(urllib.request.HTTPSHandler))
+        request = urllib.request.Request(self.config.url, data=body, headers=self.headers, method="POST")
+        try:
+            with opener.open(request, timeout=self.config.timeout_s) as response:
+                raw = response.read()
+        except Exception:
+            if deadline.expired:
+                raise _Expired() from None
+            raise
+        finally:
+            deadline.cancel()
+        if deadline.expired:  # the answer may be cut short: never use it
+            raise _Expired()
+        return raw
 
     def _scores(self, raw: bytes, count: int) -> list[float]:
         url = self.config.url
@@ -130,3 +185,91 @@ class RemoteReward:
         except (TypeError, ValueError):
             raise RemoteRewardError(f"remote: {url} returned scores that are not all numbers: "
                                     f"{str(scores)[:BODY_EXCERPT]}") from None
+
+
+def _status_line(exc: urllib.error.HTTPError) -> str:
+    detail = exc.read()[:BODY_EXCERPT].decode(errors="replace").strip()
+    return f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
+
+
+class _Budget:
+    """The failed requests one batch may still spend; it knows its samples by identity (the reward
+    runner asks again with the very sample objects of the batch)."""
+
+    def __init__(self, samples: list[RewardSample], failures: int) -> None:
+        self.samples = list(samples)  # held, so that their ids stay theirs
+        self.ids = {id(s) for s in self.samples}
+        self.left, self.spent, self.last = failures, 0, ""
+
+    def fail(self, why: str) -> None:
+        self.left -= 1
+        self.spent += 1
+        self.last = why
+
+
+class _Expired(Exception):
+    """A request ran past its deadline."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Turns every redirect into the 3xx HTTPError it came as, so nothing is sent to its Location."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Deadline:
+    """One request's deadline: at ``timeout_s`` after its start the request's socket is shut down,
+    which ends any connect, send or read still blocked on it. Socket time-outs alone bound each
+    read, not the sum of them: a service sending a byte a second would never time out."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def handler(self, base: type) -> urllib.request.BaseHandler:
+        """``base`` (urllib's HTTP or HTTPS handler) whose connections report their socket here."""
+        deadline = self
+        scheme = "https" if issubclass(base, urllib.request.HTTPSHandler) else "http"
+        connection = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+
+        class Watched(connection):  # type: ignore[misc, valid-type]
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        class Handler(base):  # type: ignore[misc, valid-type]
+            pass
+
+        def open_(handler: Any, req: Any) -> Any:
+            kwargs = {"context": handler._context} if scheme == "https" else {}
+            return handler.do_open(Watched, req, **kwargs)
+
+        setattr(Handler, f"{scheme}_open", open_)
+        return Handler()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed

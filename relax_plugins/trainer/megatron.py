@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -861,7 +862,14 @@ class MegatronTrainer:
         self._load_hf(_read_safetensors(folder))
         optimizer_file = folder / OPTIMIZER_FILE
         if self.optimizer is not None and optimizer_file.is_file():
-            saved = torch.load(optimizer_file, map_location="cpu", weights_only=False)
+            # weights_only: tensors, numbers, strings and containers, never objects that run code
+            # while unpickled (a checkpoint folder may come from anyone).
+            try:
+                saved = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise ValueError(f"{optimizer_file} holds more than tensors and plain values, or is damaged, and is "
+                                 f"not loaded ({str(exc).splitlines()[0]}); resume from a checkpoint this trainer "
+                                 "wrote") from None
             if not isinstance(saved, dict) or "ranks" not in saved:
                 raise ValueError(f"{optimizer_file} was not written by the megatron trainer (another backend's "
                                  "optimizer state); load the weights only, from a folder without it")

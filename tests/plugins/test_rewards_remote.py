@@ -108,7 +108,7 @@ def test_a_slow_answer_times_out_and_is_retried(server):
 
 def test_giving_up_says_why(server):
     server.plan = [("slow", 1.0), ("slow", 1.0)]
-    with pytest.raises(RemoteRewardError, match=r"failed after 2 attempt\(s\); last: no answer within timeout_s=0.2"):
+    with pytest.raises(RemoteRewardError, match=r"failed after 2 attempt\(s\); last: no complete answer within timeout_s=0.2"):
         reward(url=server.url, timeout_s=0.2, retries=1, backoff_s=0.0).score(BATCH)
 
 

@@ -118,3 +118,25 @@ def test_a_receiver_without_a_sender_says_where_it_looked() -> None:
         recipient.receive()  # the sender never sends: no backend announced, no round
     recipient.close()
     sender.close()
+
+
+def listeners() -> set[tuple[str, int]]:
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_store_listens_on_the_sender_s_address_alone() -> None:
+    """A store made by host and port listens on every interface; the sender's listens on its host
+    (loopback here, as in an embedded run), and receivers still reach it."""
+    before = listeners()
+    sender = WeightSender(1, timeout_s=TIMEOUT_S, host="127.0.0.1")
+    try:
+        opened = listeners() - before
+        assert opened == {("127.0.0.1", sender.address.port)}
+        recipient = WeightRecipient(sender.address, 1)
+        recipient.store.set("probe", b"1")
+        assert sender.store.get("probe") == b"1"
+    finally:
+        sender.close()
