@@ -1,8 +1,10 @@
 """Load a run spec file into a plain dict: YAML/JSON, ``extends:``, ``${...}`` and overrides.
 
-Loading is safe: YAML goes through omegaconf's safe loader, and only omegaconf's built-in
-resolvers (``${oc.env:...}`` and friends) exist, none of which runs code from the spec.
-Problems are raised as ``SpecError`` with the offending path, like validation errors.
+Loading is safe: YAML goes through PyYAML's safe loader, counting nodes as it composes them so that
+a file past its size, node or depth caps (``relax.config.bounded_yaml``) is refused before anything
+expands its aliases; and only omegaconf's built-in resolvers (``${oc.env:...}`` and friends) exist,
+none of which runs code from the spec. Problems are raised as ``SpecError`` with the offending path,
+like validation errors.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from relax.config.bounded_yaml import LimitExceeded, load_json, load_yaml, read_text_within
 from relax.spec.errors import SpecError, SpecIssue
 
 #: Folders searched for ``extends: <name>`` besides the spec's own folder.
@@ -54,9 +57,21 @@ def resolve_spec_path(ref: str, base_dir: Path) -> Path:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        text = read_text_within(path)
+        data = load_json(text) if path.suffix.lower() == ".json" else load_yaml(text)
+    except LimitExceeded as exc:
+        raise SpecError([SpecIssue("", f"{path} is refused: {exc}",
+                                   "a run spec is a small file; remove the repetition or the nesting")]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([SpecIssue("", f"{path} is not UTF-8 text: byte {exc.start} is "
+                                       f"0x{exc.object[exc.start]:02x}",
+                                   "save the spec as UTF-8")]) from None
+    except IsADirectoryError:
+        raise SpecError([SpecIssue("", f"{path} is a folder, not a spec file",
+                                   "give the path of a YAML or JSON file")]) from None
+    except OSError as exc:
+        raise SpecError([SpecIssue("", f"{path} cannot be read: {exc.strerror or exc}", "")]) from None
     except json.JSONDecodeError as exc:
         raise SpecError([SpecIssue("", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}",
                                    "fix the syntax")]) from None
@@ -75,9 +90,13 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
-    if path in chain or len(chain) > MAX_EXTENDS_DEPTH:
+    if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError([SpecIssue("extends", f"extends loops: {cycle}", "remove the cycle")])
+    if len(chain) > MAX_EXTENDS_DEPTH:
+        raise SpecError([SpecIssue("extends", f"the extends chain from {chain[0]} is too deep: it reaches {path} "
+                                              f"past the depth limit of {MAX_EXTENDS_DEPTH} extends (not a loop)",
+                                   "merge some of the files into one")])
     data = _read(path)
     parent = data.get("extends")
     try:
@@ -107,8 +126,14 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise SpecError([SpecIssue("", f"override '{item}' is not of the form a.b.c=value",
                                    "write e.g. algorithm.kl_coef=0.01")])
+    if key.split(".")[0] == "extends":
+        raise SpecError([SpecIssue("extends", f"override '{item}': extends cannot be set on the command line "
+                                              "(the files it names are read before overrides apply)",
+                                   "write extends: in the spec file, or give the preset as the spec")])
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = load_yaml(value) if value.strip() else ""
+    except LimitExceeded as exc:
+        raise SpecError([SpecIssue(key, f"override value is refused: {exc}", "give a small value")]) from None
     except yaml.YAMLError:
         parsed = value
     return key, parsed

@@ -134,6 +134,8 @@ def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
     options = {**implied, **spec.data.train.options}
     if "path" in implied and not Path(options["path"]).is_absolute():
         options["path"] = str(base_dir / options["path"])
+    if "path" in implied:  # a data file: its rows' prompts are checked to be text as it is read
+        options.setdefault("prompt_key", spec.data.prompt_key)
     return _use(PluginKind.datasets, name, options)
 
 

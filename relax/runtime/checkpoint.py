@@ -20,6 +20,10 @@ CHECKPOINTS = "checkpoints"
 META = "meta.json"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: the message names its file and what to do."""
+
+
 def checkpoint_root(output_dir: Path) -> Path:
     return output_dir / CHECKPOINTS
 
@@ -42,32 +46,61 @@ def save_checkpoint(output_dir: Path, step: int, trainer: Any, keep: int) -> Pat
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    for old in list_checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old[1], ignore_errors=True)
+    for old in checkpoints_to_remove(list_checkpoints(output_dir), keep, last_metrics_step(output_dir)):
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def checkpoints_to_remove(found: list[tuple[int, Path]], keep: int, last_row: int | None) -> list[Path]:
+    """All but the newest ``keep`` checkpoints, except the newest one whose step already has its
+    metrics row: the actor saves a step before the driver writes its row (and may save several
+    before a slow or dying driver catches up), and ``resume_checkpoint`` resumes only from a step
+    with its row, so removing that one could leave a resume nothing to start from but step 0."""
+    covered = [c for c in found if last_row is not None and c[0] <= last_row]
+    spare = covered[-1][1] if covered else None
+    return [path for _, path in found[:-keep] if path != spare]
+
+
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first; ``CheckpointError`` for one whose ``meta.json`` is not
+    what ``save_checkpoint`` wrote."""
     root = checkpoint_root(output_dir)
     found = []
     if root.is_dir():
         for path in root.glob("step-*"):
             if (path / META).is_file():
-                found.append((json.loads((path / META).read_text())["step"], path))
+                found.append((read_step(path / META), path))
     return sorted(found)
+
+
+def read_step(meta: Path) -> int:
+    """The step a checkpoint's ``meta.json`` records (``CheckpointError`` naming the file when it
+    is unreadable, not JSON, or has no whole ``step``)."""
+    remedy = (f"remove the folder {meta.parent} to resume from an older checkpoint, or run without --resume "
+              "to start fresh")
+    try:
+        value = json.loads(meta.read_bytes())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise CheckpointError(f"checkpoint file {meta} is corrupt ({type(exc).__name__}: {exc}); {remedy}") from None
+    step = value.get("step") if isinstance(value, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint file {meta} has no step count (\"step\": {step!r}); {remedy}")
+    return step
 
 
 def resume_checkpoint(output_dir: Path) -> tuple[int, Path] | None:
     """The checkpoint a resume starts from: the newest one whose step already has its row in
     ``metrics.jsonl``. The actor saves a step's checkpoint just before it reports the step, and the
     driver writes the row once every role has reported; a driver that dies in between leaves a
-    checkpoint one step past the last row, and resuming from it would leave that step's row out for
-    good. Without such a checkpoint (no metrics yet, or older ones removed), the newest."""
+    checkpoint past the last row, and resuming from it would leave those steps' rows out for good.
+    None when no checkpoint has its row (the run starts over, so that every step has one row); the
+    newest when the run folder has no ``metrics.jsonl`` at all (nothing to keep whole)."""
     found = list_checkpoints(output_dir)
+    if not (output_dir / "metrics.jsonl").is_file():
+        return found[-1] if found else None
     last = last_metrics_step(output_dir)
     covered = [c for c in found if last is not None and c[0] <= last]
-    return (covered or found or [None])[-1]
+    return covered[-1] if covered else None
 
 
 def last_metrics_step(output_dir: Path) -> int | None:

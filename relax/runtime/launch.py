@@ -4,19 +4,26 @@ its controller (``relax.runtime.controller``), which deploys, watches, recovers 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from relax.plan.model import Plan
-from relax.runtime.checkpoint import resume_checkpoint
+from relax.runtime.checkpoint import CheckpointError, list_checkpoints, resume_checkpoint
 from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 
-EXIT_OK, EXIT_RUN_FAILED = 0, 1
+EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID = 0, 1, 2
+#: The file a run writes first into its output folder: only a folder holding it is taken for an
+#: earlier run (and renamed to keep it); any other non-empty folder is the user's, never touched.
+RUN_MARKER = ".relax-run"
+#: Spec fields that give a checkpoint its meaning: a resume with other values is refused.
+RESUME_FIXED = ("algorithm", "model.path", "model.options", "trainer.backend")
 #: Logical CPUs an embedded Ray gets: TransferQueue's own actors need about 5 beyond the roles.
 EMBEDDED_RAY_CPUS = 8
 #: Environment of every Ray process of a run: no progress bars or advisory logs from the libraries.
@@ -39,6 +46,11 @@ class LaunchError(Exception):
     """The run cannot start here; the message says why and what to do."""
 
 
+class OutputFolderError(LaunchError):
+    """The output folder or the checkpoint to resume from cannot be used as it is (exit 2, like a
+    bad spec): nothing was touched; the message names the folder and what to do."""
+
+
 def preflight(spec: RunSpec, base_dir: Path) -> list[SpecIssue]:
     """What keeps this spec from running with this runtime on this machine, before anything starts:
     exactly the checks of ``relax validate`` (``validate_spec(..., runnable=True)``), so that the
@@ -53,30 +65,97 @@ def preflight(spec: RunSpec, base_dir: Path) -> list[SpecIssue]:
 
 
 def output_path(spec: RunSpec) -> Path:
-    """Runs write under the current directory unless output_dir is absolute."""
-    return Path(spec.trainer.output_dir).expanduser().resolve()
+    """Runs write under the current directory unless output_dir is absolute (``OutputFolderError``
+    when the path is a file)."""
+    path = Path(spec.trainer.output_dir).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise OutputFolderError(f"trainer.output_dir {path} is a file, not a folder; choose another "
+                                "trainer.output_dir")
+    return path
 
 
 def resume_point(output_dir: Path, resume: bool) -> tuple[int, Path | None]:
-    """Where a run starts: its newest checkpoint with ``--resume``, step 0 otherwise."""
-    found = resume_checkpoint(output_dir)
-    if resume:
-        if found is None:
-            raise LaunchError(f"--resume: no checkpoint under {output_dir / 'checkpoints'}; run without --resume "
-                              "to start fresh")
-        return found
-    return 0, None
+    """Where a run starts: with ``--resume``, its newest checkpoint whose step has its metrics row
+    (step 0 when none has, see ``resume_checkpoint``); step 0 otherwise. Checkpoints are read only
+    for ``--resume``: a fresh run renames the old folder whatever it holds."""
+    if not resume:
+        return 0, None
+    try:
+        found = resume_checkpoint(output_dir)
+        saved = list_checkpoints(output_dir)
+    except CheckpointError as exc:
+        raise OutputFolderError(f"--resume: {exc}") from None
+    if found is None and not saved:
+        raise LaunchError(f"--resume: no checkpoint under {output_dir / 'checkpoints'}; run without --resume "
+                          "to start fresh")
+    if found is None:
+        print(f"relax run: --resume: the checkpoint at step {saved[-1][0]} has no row in metrics.jsonl (the run "
+              "stopped before it wrote it); resuming from it would leave steps out, so the run starts over "
+              "from step 0", file=sys.stderr)
+        return 0, None
+    return found
 
 
-def keep_previous_run(output_dir: Path) -> Path | None:
-    """A fresh run never overwrites an earlier one: its folder is renamed to ``<name>.<n>`` first."""
+def keep_previous_run(output_dir: Path, protected: tuple[Path, ...] = ()) -> Path | None:
+    """A fresh run never overwrites an earlier one: its folder is renamed to ``<name>.<n>`` first.
+    Only a folder that Relax wrote (it holds ``RUN_MARKER``) is renamed, and never one that holds a
+    ``protected`` path (the current directory, the spec's folder); any other non-empty folder is
+    refused with ``OutputFolderError`` and left as it is."""
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return None
+    if not (output_dir / RUN_MARKER).is_file():
+        raise OutputFolderError(f"trainer.output_dir {output_dir} is not empty and was not written by a Relax run "
+                                f"(it has no {RUN_MARKER} file); Relax touches nothing in it. Choose another "
+                                "trainer.output_dir (e.g. runs/<name>), or empty that folder")
+    for inner in protected:
+        if inner == output_dir or output_dir in inner.parents:
+            raise OutputFolderError(f"trainer.output_dir {output_dir} holds an earlier run, but also {inner} (the "
+                                    "current directory or the spec's folder), so Relax will not rename it to keep "
+                                    "the earlier run. Choose a trainer.output_dir of its own (e.g. runs/<name>), "
+                                    "or remove the earlier run's files")
     n = 1
     while (kept := output_dir.with_name(f"{output_dir.name}.{n}")).exists():
         n += 1
     output_dir.rename(kept)
     return kept
+
+
+def resume_mismatch(output_dir: Path, spec: RunSpec) -> list[str]:
+    """The ``RESUME_FIXED`` fields on which ``spec`` differs from the run's saved ``spec.yaml``, as
+    ``field: saved -> new`` lines (empty when they agree, or when the run saved no spec)."""
+    import yaml
+
+    from relax.config.bounded_yaml import LimitExceeded, load_yaml
+
+    saved_path = output_dir / "spec.yaml"
+    if not saved_path.is_file():
+        return []
+    try:
+        saved = load_yaml(saved_path.read_text(encoding="utf-8"))
+    except (LimitExceeded, yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        return [f"the saved {saved_path} cannot be read, so the checkpoints' spec is unknown "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"]
+    new = spec.model_dump(mode="json")
+    differ = []
+    for field in RESUME_FIXED:
+        before, after = _dotted(saved, field), _dotted(new, field)
+        if before != after:
+            differ.extend(_differences(field, before, after))
+    return differ
+
+
+def _dotted(data: Any, path: str) -> Any:
+    for part in path.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _differences(path: str, before: Any, after: Any) -> list[str]:
+    """``path: before -> after`` for each leaf that differs (mappings are compared key by key)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [line for key in sorted(set(before) | set(after), key=str)
+                for line in _differences(f"{path}.{key}", before.get(key), after.get(key))]
+    return [f"{path}: {json.dumps(before)} -> {json.dumps(after)}"] if before != after else []
 
 
 #: The bus's module (torch, TransferQueue, tensordict): imported beside the runtime only for a run
@@ -195,6 +274,8 @@ def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
     from relax.plan import render
 
     output_dir.mkdir(parents=True, exist_ok=True)
+    marker = {"name": spec.name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
+    (output_dir / RUN_MARKER).write_text(json.dumps(marker) + "\n")
     (output_dir / "plan.json").write_text(render(plan, "json"))
     (output_dir / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec.model_dump(mode="json"))))
 
@@ -209,16 +290,28 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     if problems:
         print("relax run: this spec cannot run here:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return EXIT_RUN_FAILED
-    output_dir = output_path(spec)
     try:
+        output_dir = output_path(spec)
         start_step, resume_from = resume_point(output_dir, resume)
+        if resume_from is not None and (differ := resume_mismatch(output_dir, spec)):
+            raise OutputFolderError(
+                f"--resume: this spec differs from the one the checkpoints in {output_dir} were trained with, "
+                "on fields that give them their meaning:\n" + "\n".join(f"  - {line}" for line in differ)
+                + "\nresume with the run's own spec.yaml (changing trainer.steps and the like is fine), or choose "
+                "another trainer.output_dir to start a new run")
+        if start_step >= spec.trainer.steps:
+            print(f"relax run: the checkpoint is at step {start_step}, trainer.steps is {spec.trainer.steps}: "
+                  "nothing to do")
+            return EXIT_OK
+        kept = keep_previous_run(output_dir, (Path.cwd().resolve(), base_dir.resolve())) \
+            if resume_from is None else None
+    except OutputFolderError as exc:
+        print(f"relax run: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     except LaunchError as exc:
         print(f"relax run: {exc}", file=sys.stderr)
         return EXIT_RUN_FAILED
-    if start_step >= spec.trainer.steps:
-        print(f"relax run: the checkpoint is at step {start_step}, trainer.steps is {spec.trainer.steps}: nothing to do")
-        return EXIT_OK
-    if resume_from is None and (kept := keep_previous_run(output_dir)) is not None:
+    if kept is not None:
         print(f"relax run: {output_dir} held an earlier run; it is kept as {kept}", file=sys.stderr)
     write_run_record(output_dir, spec, plan)
     from relax.runtime.components import materialize_model

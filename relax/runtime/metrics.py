@@ -87,7 +87,10 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
 
 
 class MetricsLog:
-    """Appends step rows to metrics.jsonl; on resume, drops rows past the checkpoint first."""
+    """Appends step rows to metrics.jsonl; on resume from the checkpoint of ``resume_step``, keeps
+    the rows of steps 1..``resume_step`` (the resumed run writes ``resume_step + 1`` next) and drops
+    the rest: rows past the checkpoint, which the resumed run writes again, and a row cut short by a
+    crash, which is not a row."""
 
     def __init__(self, output_dir: Path, resume_step: int | None) -> None:
         self.path = output_dir / METRICS_FILE
@@ -95,13 +98,27 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [json.dumps(row) for row in kept_rows(self.path.read_text(errors="replace"), resume_step)]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def append(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(row) + "\n")
+
+
+def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
+    """The rows of ``text`` (metrics.jsonl) that a resume from step ``resume_step`` keeps: whole
+    rows of steps up to it, each step once (the first row written for it)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step <= resume_step:
+            rows.setdefault(step, row)
+    return [rows[step] for step in sorted(rows)]
 
 
 def mismatch_alarm(figures: dict[str, Any], spec: MismatchSpec | None) -> str | None:

@@ -144,8 +144,9 @@ class AlgorithmSpec(Section):
     unless they are set."""
     samples_per_prompt: int = Field(8, ge=1)
     """Responses sampled per prompt (the group size of group-based advantages)."""
-    prompts_per_step: int = Field(16, ge=1)
-    """Prompts per training step; a step trains on prompts_per_step x samples_per_prompt samples."""
+    prompts_per_step: int = Field(16, ge=1, le=100_000)
+    """Prompts per training step; a step trains on prompts_per_step x samples_per_prompt samples
+    (at most 100000: the run plans every prompt of a step up front)."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL penalty to the reference policy; > 0 needs ``roles.reference``."""
     kl_in: KLPlacement | None = None
@@ -664,8 +665,9 @@ class RunSpec(Section):
     """Run name: output folders and the trace service name. Letters, digits, '.', '_' and '-'."""
     extends: str | None = None
     """A preset name or a path merged under this file (resolved by the loader)."""
-    seed: int = Field(0, ge=0)
-    """Seed of every random choice (data order, sampling, initialisation)."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed of every random choice (data order, sampling, initialisation); below 2**32, the largest
+    seed numpy takes (vLLM seeds numpy with it)."""
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The policy model."""
     data: DataSpec = Field(default_factory=DataSpec)

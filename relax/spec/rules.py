@@ -324,9 +324,25 @@ def check_gpus(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
         return
     total = gpus_requested(spec)
     if total > cluster.gpus:
-        yield SpecIssue("cluster", f"the roles ask for {total} GPUs but the cluster has "
-                        f"{cluster.nodes} x {cluster.gpus_per_node} = {cluster.gpus}",
-                        "add nodes or GPUs per node, or give roles fewer GPUs")
+        yield SpecIssue("cluster", f"the roles ask for {total} GPUs ({', '.join(_gpu_askers(spec))}) but the "
+                        f"cluster has cluster.nodes x cluster.gpus_per_node = {cluster.nodes} x "
+                        f"{cluster.gpus_per_node} = {cluster.gpus}",
+                        "raise cluster.nodes or cluster.gpus_per_node, or lower the roles' gpus")
+
+
+def _gpu_askers(spec: RunSpec) -> list[str]:
+    """``roles.<role>.gpus=<n>`` for each role that ``gpus_requested`` counts (a shared pool once)."""
+    roles, pooled = spec.roles, set(_pooled_roles(spec))
+    askers = [f"roles.actor.gpus={roles.actor.gpus}"]
+    if spec.placement.mode != "colocate" and roles.rollout.gpus:
+        askers.append(f"roles.rollout.replicas x gpus_per_replica={roles.rollout.replicas} x "
+                      f"{roles.rollout.gpus_per_replica}")
+    if roles.reward.replicas * roles.reward.gpus_per_replica:
+        askers.append(f"roles.reward.replicas x gpus_per_replica={roles.reward.replicas} x "
+                      f"{roles.reward.gpus_per_replica}")
+    askers += [f"roles.{name}.gpus={role.gpus}" for name, role in spec.trained_roles().items()
+               if name != "actor" and name not in pooled and role.gpus]
+    return askers
 
 
 def _divisors(n: int) -> list[int]:
@@ -487,6 +503,8 @@ def _check_media_cell(cell: Any, row: int, key: str, plugin: Any, folder: Path, 
         media = media if media.is_absolute() else folder / media
         if not media.exists():
             problem = f"media file {item} does not exist (looked at {media})"
+        elif media.is_dir() and not getattr(plugin, "accepts_folders", False):
+            problem = f"media path {item} is a folder, not a file (looked at {media})"
         elif media.is_file() and media.stat().st_size == 0:
             problem = f"media file {item} is empty (0 bytes)"
         else:

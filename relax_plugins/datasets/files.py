@@ -24,6 +24,17 @@ class _FileConfig(BaseModel):
     """The file to read (relative paths are resolved against the working directory)."""
     limit: int | None = Field(None, ge=1)
     """Read at most this many rows (all when null)."""
+    prompt_key: str | None = None
+    """The prompt column (the run sets it to ``data.prompt_key``): when set, a row whose value there is
+    not text (null, a number, a list) is refused with the file and line, instead of being trained on
+    as the text of that value. A row without the column is left to the run's own message."""
+
+
+def _check_prompt(row: dict[str, Any], key: str | None, where: str) -> None:
+    if key is not None and key in row and not isinstance(row[key], str):
+        value = json.dumps(row[key])
+        raise DatasetFileError(f"{where}: the prompt ('{key}', data.prompt_key) is {value[:60]}, not text; "
+                               "give every row a text prompt, or remove the row")
 
 
 def _existing(path: str, suffixes: tuple[str, ...]) -> Path:
@@ -62,6 +73,7 @@ class JsonlDataset:
                 if not isinstance(row, dict):
                     raise DatasetFileError(f"{self.path}: item {i} is a {type(row).__name__}, not an "
                                            "object; every row must be a JSON object")
+                _check_prompt(row, self.config.prompt_key, f"{self.path}: item {i}")
             return data[:limit] if limit else data
         rows: list[dict[str, Any]] = []
         for lineno, line in enumerate(text.splitlines(), start=1):
@@ -75,6 +87,7 @@ class JsonlDataset:
             if not isinstance(row, dict):
                 raise DatasetFileError(f"{self.path}:{lineno}: a {type(row).__name__}, not an object; "
                                        "each line must be one JSON object")
+            _check_prompt(row, self.config.prompt_key, f"{self.path}:{lineno}")
             rows.append(row)
             if limit and len(rows) >= limit:
                 break
@@ -108,6 +121,8 @@ class ParquetDataset:
         if self.config.limit:
             table = table.slice(0, self.config.limit)
         self.rows: list[dict[str, Any]] = table.to_pylist()
+        for i, row in enumerate(self.rows):
+            _check_prompt(row, self.config.prompt_key, f"{self.path}: row {i}")
 
     def __len__(self) -> int:
         return len(self.rows)

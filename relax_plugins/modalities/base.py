@@ -40,6 +40,9 @@ class ModalityPlugin:
     """The keyword of a Hugging Face multimodal processor call that takes this media."""
     suffix: ClassVar[str]
     """File suffix of ``encode``'s bytes (how an inline item is written to travel by reference)."""
+    accepts_folders: ClassVar[bool] = False
+    """Whether an item may be a folder (video's folder of frames); for the others a folder is a bad
+    item, named as such, not an ``IsADirectoryError`` from reading it."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -61,6 +64,8 @@ class ModalityPlugin:
             path = Path(item)
             if not path.exists():
                 raise MediaError(f"{path} does not exist")
+            if path.is_dir() and not self.accepts_folders:
+                raise MediaError(f"{path} is a folder, not a {self.modality} file")
             if path.is_file() and path.stat().st_size == 0:
                 raise MediaError(f"{path} is empty (0 bytes)")
             return self.check(self.decode_path(path))

@@ -3,6 +3,9 @@
 Budgets: ``max_pixels`` (width x height of the decoded image) and ``max_tokens`` (the image's
 placeholder tokens, estimated as ``ceil(h / s) * ceil(w / s)`` with ``s = token_side``, 32 for the
 Qwen-VL and Qwen-Omni families: patch 16 merged 2 x 2). An image over either is a bad sample.
+
+The pixel budget is checked on the size the file's header announces, before a single pixel is
+decoded (``open_image``): a small PNG can announce 10000 x 10000 pixels, 300 MB once decoded.
 """
 
 from __future__ import annotations
@@ -28,6 +31,38 @@ _SIGNATURES = {
 }
 
 
+def open_image(source: bytes | Path, max_pixels: int, what: str = "image") -> Any:
+    """The decoded image of ``source`` (the bytes of a file, or its path), refused with a
+    ``MediaError`` before decoding when its header announces more than ``max_pixels`` pixels.
+
+    Pillow reads only the header in ``Image.open``; ``load`` decodes. Pillow's own guard against
+    decompression bombs (a warning past ``Image.MAX_IMAGE_PIXELS``, an error past twice that) would
+    otherwise fire first, as a warning or an exception that is not a ``MediaError``; the budget here
+    is the spec's, so the guard is silenced for this call and its error reported as one."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+            width, height = image.size
+            if width * height > max_pixels:
+                image.close()
+                raise MediaError(f"{what} of {width}x{height} = {width * height} pixels is over max_pixels="
+                                 f"{max_pixels} (read from its header, not decoded); resize it, or raise "
+                                 "the modality's max_pixels in data.media_options")
+            image.load()  # decodes every pixel: a truncated file fails here, not later
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"{what} is refused as a decompression bomb ({exc})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, MediaError):
+            raise
+        raise MediaError(f"is not a decodable image ({exc})") from None
+    return image
+
+
 class ImageModality(ModalityPlugin):
     """Decodes images with Pillow into RGB, within the pixel and token budgets."""
 
@@ -50,14 +85,7 @@ class ImageModality(ModalityPlugin):
         """Shortest allowed side in pixels."""
 
     def decode_bytes(self, data: bytes) -> Loaded:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            image = Image.open(io.BytesIO(data))
-            image.load()  # decodes every pixel: a truncated file fails here, not later
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-            raise MediaError(f"is not a decodable image ({exc})") from None
-        return Loaded(image.convert("RGB"))
+        return Loaded(open_image(data, self.config.max_pixels).convert("RGB"))
 
     def decode_path(self, path: Path) -> Loaded:
         try:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relax.media import MediaError
 from relax_plugins.modalities.base import Loaded, ModalityPlugin, as_array, load_npy, npy_bytes, probe_npy
+from relax_plugins.modalities.image import open_image
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
@@ -25,6 +26,7 @@ class VideoModality(ModalityPlugin):
     """Decodes frame arrays or frame folders into one (T, H, W, 3) uint8 array."""
 
     modality: ClassVar[str] = "video"
+    accepts_folders: ClassVar[bool] = True
     processor_argument: ClassVar[str] = "videos"
     suffix: ClassVar[str] = ".npy"
 
@@ -56,7 +58,6 @@ class VideoModality(ModalityPlugin):
 
     def _from_frames(self, folder: Path) -> Loaded:
         import numpy as np
-        from PIL import Image, UnidentifiedImageError
 
         files = sorted(p for p in folder.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
         if not files:
@@ -64,11 +65,11 @@ class VideoModality(ModalityPlugin):
         frames = []
         for file in files:
             try:
-                with Image.open(file) as image:
-                    image.load()
+                with open_image(file, self.config.max_pixels, what=f"frame {file}") as image:
                     frames.append(np.asarray(image.convert("RGB")))
-            except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-                raise MediaError(f"frame {file} is not a decodable image ({exc})") from None
+            except MediaError as exc:
+                message = str(exc)
+                raise MediaError(message if message.startswith("frame") else f"frame {file} {message}") from None
         if len({f.shape for f in frames}) > 1:
             raise MediaError(f"the frames in {folder} differ in size; give every frame the same size")
         return self.decode_array(np.stack(frames))

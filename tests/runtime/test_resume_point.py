@@ -31,7 +31,12 @@ def test_the_newest_checkpoint_with_its_row_is_taken(tmp_path: Path) -> None:
     assert resume_checkpoint(run)[0] == 6
 
 
-def test_without_a_covered_checkpoint_the_newest_one(tmp_path: Path) -> None:
-    assert resume_checkpoint(make_run(tmp_path / "a", checkpoints=[6], rows=[1, 2]))[0] == 6
-    assert resume_checkpoint(make_run(tmp_path / "b", checkpoints=[2], rows=[]))[0] == 2
+def test_without_a_covered_checkpoint_none_unless_there_are_no_metrics(tmp_path: Path) -> None:
+    # no checkpoint has its row: resuming from one would leave rows out, so the run starts over
+    assert resume_checkpoint(make_run(tmp_path / "a", checkpoints=[6], rows=[1, 2])) is None
+    assert resume_checkpoint(make_run(tmp_path / "b", checkpoints=[2], rows=[])) is None
     assert resume_checkpoint(make_run(tmp_path / "c", checkpoints=[], rows=[1])) is None
+    # a folder without metrics.jsonl: nothing to keep whole, the newest checkpoint
+    folder = make_run(tmp_path / "d", checkpoints=[2, 6], rows=[])
+    (folder / "metrics.jsonl").unlink()
+    assert resume_checkpoint(folder)[0] == 6

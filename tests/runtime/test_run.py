@@ -116,15 +116,17 @@ def test_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
 
 
 def test_a_fresh_run_keeps_the_earlier_run_in_its_folder(tmp_path: Path) -> None:
-    from relax.runtime.launch import keep_previous_run
+    from relax.runtime.launch import RUN_MARKER, keep_previous_run
 
     folder = tmp_path / "run"
     assert keep_previous_run(folder) is None
     (folder / "checkpoints" / "step-2").mkdir(parents=True)
     (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / RUN_MARKER).write_text("{}\n")  # what every run writes first
     assert keep_previous_run(folder) == tmp_path / "run.1" and not folder.exists()
     folder.mkdir()
     (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / RUN_MARKER).write_text("{}\n")
     assert keep_previous_run(folder) == tmp_path / "run.2"
     assert (tmp_path / "run.1" / "checkpoints" / "step-2").is_dir()
 

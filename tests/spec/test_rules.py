@@ -115,8 +115,9 @@ def test_gpus_asked_by_all_roles_fit_the_cluster(check, gpu_spec):
     gpu_spec["roles"]["actor"]["gpus"] = 8  # 2 (rollout) + 8 (actor) > 1 x 8
     issues = check(gpu_spec)
     assert set(issues) == {"cluster"}
-    assert "10 GPUs" in issues["cluster"].message
-    assert "add nodes" in issues["cluster"].remedy
+    assert "10 GPUs (roles.actor.gpus=8, roles.rollout.replicas x gpus_per_replica=" in issues["cluster"].message
+    assert "cluster.nodes x cluster.gpus_per_node = 1 x 8 = 8" in issues["cluster"].message
+    assert "raise cluster.nodes or cluster.gpus_per_node" in issues["cluster"].remedy
 
 
 def test_gpu_role_on_a_cluster_without_gpus(check, cpu_spec):
