@@ -78,10 +78,9 @@ def main() -> None:
         print(f"{arm:9s} {m['s_per_step']:7.3f} {m['steps_per_s']:8.2f} {m['final_reward']:15.3f} "
               f"{m['mean_len']:9.1f} {m['interrupted']:7.3f} {m['staleness_max']:8.0f}")
     ratio = medians["partial"]["steps_per_s"] / medians["without"]["steps_per_s"]
+    spread = {arm: ", ".join(f"{r['final_reward']:.3f}" for r in runs) for arm, runs in results.items()}
     print(f"\nsteps/s, partial / without: {ratio:.2f}x;  final reward {medians['partial']['final_reward']:.3f} vs "
-          f"{medians['without']['final_reward']:.3f} (per-run spread: "
-          f"{', '.join(f'{r['final_reward']:.3f}' for r in results['partial'])} vs "
-          f"{', '.join(f'{r['final_reward']:.3f}' for r in results['without'])})")
+          f"{medians['without']['final_reward']:.3f} (per run: {spread['partial']} vs {spread['without']})")
 
 
 if __name__ == "__main__":
