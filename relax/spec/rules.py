@@ -962,6 +962,7 @@ RULES: tuple[Rule, ...] = (
     check_rollout_scaling,
     check_weight_sync,
     check_agent,
+    check_partial,
     check_router_replay,
     check_fault_tolerance,
     check_tracing,

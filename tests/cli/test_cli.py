@@ -15,7 +15,7 @@ from relax.spec.schema import schema_text, spec_reference_markdown
 from .conftest import ROOT
 
 PRESETS = sorted(p.name for p in (ROOT / "presets").glob("*.yaml"))
-CPU_PRESETS = ["tiny-agent-cpu.yaml", "tiny-cpu.yaml", "tiny-omni-cpu.yaml"]
+CPU_PRESETS = ["tiny-agent-cpu.yaml", "tiny-cpu.yaml", "tiny-longtail-cpu.yaml", "tiny-omni-cpu.yaml"]
 HEAVY = ("torch", "ray", "vllm", "megatron", "transformers")
 #: A machine without GPUs, whatever runs the tests (CUDA hides every GPU for an empty value).
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
