@@ -50,10 +50,22 @@ class MismatchTally:
     k3_sum: float = 0.0
     over: float = 0.0
     max_abs: float = 0.0
+    drift_tokens: float = 0.0
+    """Tokens of every version counted for ``offpolicy/kl`` (see ``add``)."""
+    drift_k3_sum: float = 0.0
 
-    def add(self, logprobs: Tensor, behaviour: Tensor, mask: Tensor) -> None:
-        """Count the tokens where ``mask`` is nonzero (``[B, T]`` each; no gradient is kept)."""
+    def add(self, logprobs: Tensor, behaviour: Tensor, mask: Tensor, every: Tensor | None = None) -> None:
+        """Count the tokens where ``mask`` is nonzero (``[B, T]`` each; no gradient is kept).
+        ``every`` (the response mask: tokens of any version) adds them to ``offpolicy/kl``, the k3
+        estimate of ``KL(behaviour || trainer)`` over all tokens: staleness and mismatch together,
+        what the importance ratios of the loss see (``async_policy.max_staleness: auto`` reads it)."""
         with torch.no_grad():
+            if every is not None:
+                on_all = every > 0
+                if bool(on_all.any()):
+                    log_all = (logprobs.detach().double() - behaviour.detach().double())[on_all]
+                    self.drift_tokens += float(log_all.numel())
+                    self.drift_k3_sum += float((torch.exp(log_all.clamp(max=20.0)) - 1.0 - log_all).sum())
             on = mask > 0
             if not bool(on.any()):
                 return
@@ -68,19 +80,21 @@ class MismatchTally:
     def all_reduce(self, dist: object, group: object = None, device: object = None) -> None:
         """Combine the tallies of all ranks of ``group`` (``torch.distributed``): sums and a max.
         ``device``: where the reduced tensors live (a CUDA device for an nccl group; CPU if None)."""
-        sums = torch.tensor([self.tokens, self.k3_sum, self.over], dtype=torch.float64, device=device)
+        sums = torch.tensor([self.tokens, self.k3_sum, self.over, self.drift_tokens, self.drift_k3_sum],
+                            dtype=torch.float64, device=device)
         top = torch.tensor([self.max_abs], dtype=torch.float64, device=device)
         dist.all_reduce(sums, group=group)  # type: ignore[attr-defined]
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # type: ignore[attr-defined]
-        self.tokens, self.k3_sum, self.over = (float(v) for v in sums)
+        self.tokens, self.k3_sum, self.over, self.drift_tokens, self.drift_k3_sum = (float(v) for v in sums)
         self.max_abs = float(top[0])
 
     def metrics(self) -> dict[str, float]:
         """``mismatch/tokens`` always; the other figures only when some token was counted."""
+        drift = {"offpolicy/kl": self.drift_k3_sum / self.drift_tokens} if self.drift_tokens > 0 else {}
         if self.tokens <= 0:
-            return {"mismatch/tokens": 0.0}
+            return {"mismatch/tokens": 0.0, **drift}
         return {"mismatch/tokens": self.tokens, "mismatch/kl": self.k3_sum / self.tokens,
-                "mismatch/max_abs": self.max_abs, "mismatch/frac_over": self.over / self.tokens}
+                "mismatch/max_abs": self.max_abs, "mismatch/frac_over": self.over / self.tokens, **drift}
 
 
 def mismatch_metrics(logprobs: Tensor, behaviour: Tensor, mask: Tensor, ratio_bound: float = 2.0) -> dict[str, float]:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.spec.models import AgentSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
+from relax.spec.models import AgentSpec, AutoStalenessSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
 
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -100,6 +100,7 @@ class StalenessSchedule(PlanPart):
     """The staleness bound as the runtime enforces it."""
 
     max_staleness: int
+    """The most staleness a sample may have (``auto.max`` with ``max_staleness: auto``)."""
     correction: str
     rule: str
     """The admission rule in words."""
@@ -257,6 +258,8 @@ class RunSettings(PlanPart):
     prompts_per_step: int
     samples_per_prompt: int
     max_staleness: int
+    """The most staleness a sample may have: ``async_policy.max_staleness``, or ``auto.max`` with
+    ``auto`` (the bound it chooses moves below it)."""
     dynamic_sampling: bool
     """DAPO's dynamic sampling (the rollout refills groups whose rewards are all equal)."""
     dynamic_sampling_rounds: int
@@ -271,6 +274,9 @@ class RunSettings(PlanPart):
     rollout's plugins); None: one response per sample."""
     partial: bool = False
     """``roles.rollout.partial``: partial rollouts (``relax.runtime.partial``)."""
+    auto_staleness: AutoStalenessSpec | None = None
+    """``async_policy.max_staleness: auto``: how the bound is chosen (``max_staleness`` is then
+    ``auto.max``, the cap); None: the bound is ``max_staleness``, fixed."""
     mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
     """``async_policy.mismatch``: the alarm on the actor's ``mismatch/kl`` (relax.algo.mismatch)."""
 

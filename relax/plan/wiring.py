@@ -366,7 +366,9 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
         name=spec.name, seed=spec.seed, steps=spec.trainer.steps, output_dir=spec.trainer.output_dir,
         checkpoint_every=spec.trainer.checkpoint_every, keep_checkpoints=spec.trainer.keep_checkpoints,
         prompts_per_step=algo.prompts_per_step, samples_per_prompt=algo.samples_per_prompt,
-        max_staleness=spec.async_policy.max_staleness, dynamic_sampling=algo.dynamic_sampling.enabled,
+        max_staleness=spec.async_policy.staleness_cap, dynamic_sampling=algo.dynamic_sampling.enabled,
+        auto_staleness=(spec.async_policy.auto.model_copy(deep=True)
+                        if spec.async_policy.max_staleness == "auto" else None),
         dynamic_sampling_rounds=algo.dynamic_sampling.max_rounds,
         max_new_tokens=spec.roles.rollout.sampling.max_new_tokens,
         data=DataSettings(prompt_key=data.prompt_key, label_key=data.label_key, reward_key=data.reward_key,

@@ -35,6 +35,7 @@ from relax.runtime.elastic import Elastic, ScaleRequest
 from relax.runtime.metrics import MetricsLog, Progress, mismatch_alarm, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
+from relax.runtime.staleness import StalenessController
 from relax.runtime.startup import InBackground, StartupClock
 from relax.runtime.supervision import SUPERVISE_S, ResumeRun, RunFailed, Supervision
 from relax.spec.models import RunSpec
@@ -185,7 +186,10 @@ class Controller(Deployment, Supervision, Elastic):
                                self.plan.rollout_work.unit_prompts, start_step=start)
         # The control plane lives beside the driver: losing any other node must not take it along.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(ledger)
+        auto = settings.auto_staleness
+        self.staleness = None if auto is None else StalenessController(auto)
+        self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
+            ledger, None if self.staleness is None else self.staleness.bound)
         self.attempt_start, self.resume_from_path = start, resume_from
         self._consumed = 0
         self._slots = [Slot(worker, self.placement.actor_options(worker.instance)) for worker in self.plan.workers]
@@ -257,8 +261,13 @@ class Controller(Deployment, Supervision, Elastic):
             self.metrics.append(row)
             self.startup.step_finished()
             self.progress.update(row)
+            if self.staleness is not None:  # max_staleness: auto chooses the bound of the next admissions
+                bound = self.staleness.bound
+                if self.staleness.update(row) != bound:
+                    self.state.set_bound.remote(self.staleness.bound)
             self.telemetry.record_step(step, min(r["started_at"] for r in reports.values()), end,
-                                       staleness=row["staleness/max"], tokens=reports[Role.rollout]["response_tokens"])
+                                       staleness=row["staleness/max"], staleness_bound=row["staleness/bound"],
+                                       tokens=reports[Role.rollout]["response_tokens"])
             self.step_metrics.export(row)
             self._mismatch_stop(row)
 

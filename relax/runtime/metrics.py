@@ -37,6 +37,7 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         "reward/mean": reward["reward_mean"],
         "staleness/max": actor["staleness_max"],
         "staleness/mean": actor["staleness_mean"],
+        "staleness/bound": rollout.get("staleness_bound", actor.get("staleness_max", 0)),
         "policy_version/rollout": rollout["policy_version"],
         "time/step_s": step_s,
         "time/rollout_s": rollout["rollout_s"],

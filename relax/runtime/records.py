@@ -41,6 +41,8 @@ class Lease:
     policy: PolicyVersion | None = None
     """With a unit: the newest policy when it was leased (admission already waited for it), so the
     rollout needs no further call to learn it."""
+    bound: int | None = None
+    """With a unit: the staleness bound it is admitted under (``max_staleness: auto`` moves it)."""
 
 
 @dataclass(frozen=True)

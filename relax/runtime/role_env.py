@@ -74,6 +74,13 @@ class RoleEnv:
     """The ranks of each model role hosted here that spans several processes (rank 0 first)."""
     leased_policy: PolicyVersion | None = None
     """The policy the last rollout lease carried (``lease``)."""
+    bound: int | None = None
+    """The staleness bound the last rollout lease was admitted under (``max_staleness: auto`` moves
+    it); None before the first lease."""
+
+    def staleness_bound(self) -> int:
+        """The bound a rollout admits its current unit under: the last lease's, else the fixed one."""
+        return self.settings.max_staleness if self.bound is None else self.bound
     _lease_ahead: tuple[int, Any] | None = None
     """A lease asked ahead (``lease_ahead``): its step and the pending call."""
 
@@ -129,6 +136,8 @@ class RoleEnv:
 
         got = self.wait_for(ask, f"lease{(self.holder, k, only_step)}")
         self.leased_policy = got.policy
+        if got.bound is not None:
+            self.bound = got.bound
         return got
 
     def lease_ahead(self, step: int) -> None:

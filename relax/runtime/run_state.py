@@ -31,8 +31,10 @@ def partition_of(step: int) -> str:
 class RunState:
     """Versions, signals and reports of one run (use as ``ray.remote(RunState)``)."""
 
-    def __init__(self, ledger: RolloutLedger | None = None) -> None:
+    def __init__(self, ledger: RolloutLedger | None = None, bound: int | None = None) -> None:
         self._ledger = ledger
+        self._bound = bound
+        """``max_staleness: auto``: the bound the controller chose (None: the caller's, fixed)."""
         self._draining: set[str] = set()
         self._beats: dict[str, Beat] = {}
         self._done_steps: dict[str, int] = {}
@@ -117,9 +119,10 @@ class RunState:
                     return Lease(drain=True)
                 if only_step is not None and ledger.step_done(only_step):
                     return Lease(done=True)
-                unit = ledger.lease(holder, self._version + max_staleness, only_step)
+                bound = max_staleness if self._bound is None else min(self._bound, max_staleness)
+                unit = ledger.lease(holder, self._version + bound, only_step)
                 if unit is not None:
-                    return Lease(unit=unit, policy=PolicyVersion(self._version, self._weights))
+                    return Lease(unit=unit, policy=PolicyVersion(self._version, self._weights), bound=bound)
                 if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
                     return Lease(done=True)
                 try:
@@ -127,6 +130,11 @@ class RunState:
                 except TimeoutError:
                     return None
         return None
+
+    async def set_bound(self, bound: int) -> None:
+        """``max_staleness: auto``: the bound for the units leased from now on."""
+        self._bound = bound
+        await self._notify()
 
     async def complete(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
                        columns: list[str]) -> UnitDone:

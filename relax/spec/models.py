@@ -521,12 +521,43 @@ class MismatchSpec(Section):
     naming the step and the value)."""
 
 
+class AutoStalenessSpec(Section):
+    """``max_staleness: auto``: the bound the run sets itself, step by step (docs/off-policy.md)."""
+
+    start: int = Field(1, ge=0)
+    """The bound of the first steps."""
+    max: int = Field(4, ge=1)
+    """The widest bound it may choose: what the actor's check, the plan and the losses' tolerated
+    staleness see."""
+    kl_budget: float = Field(0.05, gt=0.0)
+    """Off-policy budget: offpolicy/kl (the k3 estimate of KL(behaviour || trainer) over every token
+    of a step, staleness and mismatch together, smoothed over steps) above this narrows the bound;
+    the bound widens only while it stays below half of it. 0.05 is a typical |log ratio| of about
+    0.3, well inside the [1/2, 2] band the corrections clip to."""
+    wait_frac: float = Field(0.1, gt=0.0, lt=1.0)
+    """The rollout is the bottleneck when the actor waited for rows more than this share of the
+    step (time/data_wait_s / time/step_s); only then does a wider bound buy speed."""
+    hold_steps: int = Field(2, ge=1)
+    """Steps to keep a new bound before the next change (its effect shows only after the rollout
+    ran ahead under it)."""
+
+    @model_validator(mode="after")
+    def _start_within_max(self) -> AutoStalenessSpec:
+        if self.start > self.max:
+            raise ValueError(f"start ({self.start}) must not exceed max ({self.max})")
+        return self
+
+
 class AsyncPolicySpec(Section):
     """The staleness bound between generation and training, and the off-policy correction."""
 
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int | Literal["auto"] = 1
     """A sample made by policy version v is trained at step t only if t - v <= max_staleness;
-    0 is strictly on-policy."""
+    0 is strictly on-policy. auto: the run chooses the bound each step between 0 and auto.max,
+    widening it while the rollout is the bottleneck and offpolicy/kl stays within auto.kl_budget,
+    narrowing it when it does not (separate and hybrid modes; never by dropping samples)."""
+    auto: AutoStalenessSpec = Field(default_factory=AutoStalenessSpec)
+    """How max_staleness: auto chooses its bound (read only with auto)."""
     correction: Correction = "tis"
     """Off-policy correction (docs/off-policy.md), each a per-token weight on the loss from the
     ratio rho = proximal / behaviour: none; tis (min(rho, tis_cap)); decoupled (the ratio against
@@ -560,6 +591,18 @@ class AsyncPolicySpec(Section):
     (mismatch/kl ~1e-3) so it drops only truly drifted samples."""
     mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
     """The mismatch/* metrics and their alarm."""
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _non_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be 0 or more, or auto (got {value})")
+        return value
+
+    @property
+    def staleness_cap(self) -> int:
+        """The most staleness a sample may have: max_staleness, or auto.max with auto."""
+        return self.auto.max if self.max_staleness == "auto" else self.max_staleness
 
     @model_validator(mode="after")
     def _bands(self) -> AsyncPolicySpec:

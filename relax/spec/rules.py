@@ -237,8 +237,11 @@ def check_algorithm(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
 def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Colocated runs are on-policy; a correction of the proximal ratio needs the proximal policy role; a part
     without an importance ratio bounds the staleness, and the loss honours the correction."""
-    staleness = spec.async_policy.max_staleness
-    if spec.placement.mode == "colocate" and staleness != 0:
+    staleness = spec.async_policy.staleness_cap
+    if spec.placement.mode == "colocate" and spec.async_policy.max_staleness == "auto":
+        yield SpecIssue("async_policy.max_staleness", "auto is not possible in colocate mode (rollout and training "
+                        "alternate: the bound is 0)", "set it to 0, or use placement.mode separate or hybrid")
+    elif spec.placement.mode == "colocate" and staleness != 0:
         yield SpecIssue("async_policy.max_staleness",
                         f"{staleness} is not possible in colocate mode (rollout and training alternate)",
                         "set it to 0, or use placement.mode separate or hybrid for asynchronous training")
@@ -254,7 +257,8 @@ def check_staleness(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
         cls = ctx.plugin(kind, name) if name else None
         tolerated = trait(cls, kind, "tolerated_staleness")
         if tolerated is not None and staleness > tolerated:
-            yield SpecIssue("async_policy.max_staleness",
+            where = "async_policy.auto.max" if spec.async_policy.max_staleness == "auto" else "async_policy.max_staleness"
+            yield SpecIssue(where,
                             f"{staleness} is more than the {what} '{name}' tolerates ({tolerated}): it has no "
                             "importance ratio to correct for samples of older policies",
                             f"set it to {tolerated}, or choose a {what} with an importance ratio"

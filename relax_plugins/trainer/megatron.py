@@ -638,7 +638,7 @@ class MegatronTrainer:
                 if first:
                     mismatch.add(logprobs, part.rollout_logprobs,
                                  same_version_mask(part.response_mask, part.policy_version, self.version,
-                                                   part.token_versions))
+                                                   part.token_versions), part.response_mask)
                 if wants_entropy:
                     loss, metrics = self.loss.compute(part, logprobs, entropy=entropy)
                 else:

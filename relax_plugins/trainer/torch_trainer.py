@@ -227,7 +227,7 @@ class TorchTrainer:
             from relax.algo.mismatch import same_version_mask
 
             mask = same_version_mask(micro.response_mask, micro.policy_version, self.version, micro.token_versions)
-            mismatch.add(logprobs, micro.rollout_logprobs, mask)
+            mismatch.add(logprobs, micro.rollout_logprobs, mask, micro.response_mask)
 
     def compute_logprobs(self, batch: Any) -> Any:
         """``[B, T]`` float32 log-probs of every token under the current weights (CPU, no grad);

@@ -101,7 +101,7 @@ class ActorLoop:
             packed = TrainBatch.from_bus(batch)
             t2 = time.perf_counter()
             metrics = self.trainer.train_step(packed)
-            mismatch = {k: float(v) for k, v in metrics.items() if k.startswith("mismatch/")}
+            mismatch = {k: float(v) for k, v in metrics.items() if k.startswith(("mismatch/", "offpolicy/"))}
             span.set(tokens=packed.num_response_tokens, bus_bytes=sum(
                 v.numel() * v.element_size() for v in batch.fields.values() if isinstance(v, torch.Tensor)),
                 **{k.replace("/", "_"): v for k, v in mismatch.items()})

@@ -1,0 +1,66 @@
+"""``async_policy.max_staleness: auto``: the staleness bound the run sets itself.
+
+A wider bound lets the rollout run further ahead of the trainer, which buys speed only while the
+rollout is what the step waits for, and costs learning as the samples drift from the policy being
+trained. The controller reads both off each step's metrics row, once the step is trained:
+
+- **drift**: ``offpolicy/kl``, the k3 estimate of ``KL(behaviour || trainer)`` over every token
+  of the step, measured by the trainer before its first update (staleness and rollout-trainer
+  mismatch together: what the loss's importance ratios see);
+- **who waits**: ``time/data_wait_s / time/step_s``, the share of the step the actor waited for
+  rows: the rollout is the bottleneck when it is above ``auto.wait_frac``.
+
+The rule, applied after each step to the drift smoothed over steps (an exponential mean, half
+weight to the newest step: one step's figure swings by several times on small batches):
+
+- drift above ``auto.kl_budget``: narrow by one (at once; never below 0);
+- else, once the bound was held ``auto.hold_steps`` steps, drift at most half the budget and the
+  rollout the bottleneck: widen by one (never above ``auto.max``);
+- else keep it.
+
+The new bound governs the steps admitted from then on (the rollout waits for policy version
+``s - bound`` before it generates step ``s``); steps already admitted keep the bound they were
+admitted under, so narrowing never drops or regenerates a sample. ``staleness/bound`` in the metrics
+(and the ``relax.step`` span) is the bound each step was admitted under. Its limits: it reacts a
+step late (the drift of step ``t`` is known once ``t`` is trained), one notch per step, and it
+sees the drift the loss corrects, not the reward; a task whose reward suffers before the drift
+shows needs a lower ``auto.kl_budget`` or a fixed bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax.spec.models import AutoStalenessSpec
+
+
+#: Weight of the newest step in the smoothed drift.
+SMOOTHING = 0.5
+
+
+class StalenessController:
+    """Chooses the bound step by step (see the module docstring); pure logic."""
+
+    def __init__(self, spec: AutoStalenessSpec) -> None:
+        self.spec = spec
+        self.bound = spec.start
+        self.drift: float | None = None
+        """The smoothed ``offpolicy/kl``."""
+        self._held = 0
+
+    def update(self, row: dict[str, Any]) -> int:
+        """The bound after a trained step's metrics ``row``."""
+        spec = self.spec
+        self._held += 1
+        measured = row.get("offpolicy/kl")
+        if measured is not None:
+            self.drift = measured if self.drift is None else SMOOTHING * measured + (1 - SMOOTHING) * self.drift
+        drift = self.drift
+        step_s = float(row.get("time/step_s") or 0.0)
+        waited = float(row.get("time/data_wait_s") or 0.0) / step_s if step_s > 0 else 0.0
+        if drift is not None and drift > spec.kl_budget:
+            self.bound, self._held = max(self.bound - 1, 0), 0  # the hold counts from the last excess
+        elif (self._held >= spec.hold_steps and drift is not None and drift <= spec.kl_budget / 2
+              and waited > spec.wait_frac and self.bound < spec.max):
+            self.bound, self._held = self.bound + 1, 0
+        return self.bound

@@ -1,0 +1,44 @@
+"""``max_staleness: auto``'s control rule (``relax.runtime.staleness``) on hand-made step rows."""
+
+from __future__ import annotations
+
+from relax.runtime.staleness import StalenessController
+from relax.spec.models import AutoStalenessSpec
+
+
+def row(kl: float | None, wait_s: float, step_s: float = 1.0) -> dict:
+    out = {"time/step_s": step_s, "time/data_wait_s": wait_s}
+    if kl is not None:
+        out["offpolicy/kl"] = kl
+    return out
+
+
+def test_it_widens_while_the_rollout_is_the_bottleneck_and_the_drift_is_small_up_to_max():
+    control = StalenessController(AutoStalenessSpec(start=1, max=3, kl_budget=0.02, hold_steps=2))
+    bounds = [control.update(row(0.001, wait_s=0.5)) for _ in range(8)]
+    assert bounds == [1, 2, 2, 3, 3, 3, 3, 3]  # one notch per hold of two steps, capped at max
+
+
+def test_it_keeps_the_bound_when_the_trainer_is_the_bottleneck_or_the_drift_is_near_the_budget():
+    spec = AutoStalenessSpec(start=1, max=4, kl_budget=0.02, hold_steps=1)
+    control = StalenessController(spec)
+    assert [control.update(row(0.001, wait_s=0.05)) for _ in range(3)] == [1, 1, 1]  # actor barely waits
+    control = StalenessController(spec)
+    assert [control.update(row(0.015, wait_s=0.5)) for _ in range(3)] == [1, 1, 1]  # above half the budget
+    control = StalenessController(spec)
+    assert control.update(row(None, wait_s=0.5)) == 1  # no drift measured: no reason to widen
+
+
+def test_it_narrows_at_once_when_the_drift_exceeds_the_budget_never_below_zero():
+    control = StalenessController(AutoStalenessSpec(start=2, max=4, kl_budget=0.02, hold_steps=3))
+    assert [control.update(row(0.05, wait_s=0.5)) for _ in range(4)] == [1, 0, 0, 0]
+    # ...and widens again only once the smoothed drift (0.0275, 0.016, 0.0106, 0.0078, ...) is under
+    # half the budget and the bound was held three steps since the last excess
+    assert [control.update(row(0.005, wait_s=0.5)) for _ in range(5)] == [0, 0, 0, 1, 1]
+
+
+def test_one_noisy_step_does_not_narrow_a_bound_whose_drift_is_small_on_average():
+    control = StalenessController(AutoStalenessSpec(start=2, max=4, kl_budget=0.02, hold_steps=2))
+    for _ in range(3):
+        control.update(row(0.004, wait_s=0.0))
+    assert control.update(row(0.03, wait_s=0.0)) == 2  # smoothed: 0.017, within the budget
