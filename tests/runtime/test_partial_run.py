@@ -1,9 +1,11 @@
-"""``relax run`` with partial rollouts (``roles.rollout.partial``) on a real local Ray and the real
-TransferQueue bus: samples carry tokens of several policy versions, the staleness bound (counted
-from each sample's oldest token) holds every step, and every sample is trained exactly once."""
+"""``relax run`` with partial rollouts (``roles.rollout.partial``) and with ``max_staleness: auto`` on
+a real local Ray and the real TransferQueue bus: the staleness bound (counted from each sample's
+oldest token; chosen step by step with auto) holds every step, and every sample is trained exactly
+once."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,19 @@ from relax import testing
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_a_partial_rollout_run_holds_the_bound_and_trains_every_sample_once(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def local_ray():
+    with testing.local_ray():
+        yield
+
+
+def test_a_partial_rollout_run_holds_the_bound_and_trains_every_sample_once(local_ray, tmp_path: Path) -> None:
     # A short warm-up keeps the build quick; the responses then often run to the budget, which is
     # where the next step's samples are generated beside this one's.
-    with testing.local_ray():
-        code, rows, printed = testing.tiny_run(
-            tmp_path, "partial", "trainer.steps=10", "model.options.warmup_steps=40",
-            "roles.rollout.sampling.max_new_tokens=24", "async_policy.max_staleness=1",
-            preset="tiny-longtail-cpu")
+    code, rows, printed = testing.tiny_run(
+        tmp_path, "partial", "trainer.steps=10", "model.options.warmup_steps=40",
+        "roles.rollout.sampling.max_new_tokens=24", "async_policy.max_staleness=1",
+        preset="tiny-longtail-cpu")
     assert code == 0, printed[-3000:]
     assert [r["step"] for r in rows] == list(range(1, 11))
     for row in rows:
@@ -29,3 +36,21 @@ def test_a_partial_rollout_run_holds_the_bound_and_trains_every_sample_once(tmp_
         assert row["partial/versions_per_sample_mean"] >= 1.0 and 0 <= row["partial/interrupted_frac"] <= 1
     # the next step's samples were started during a step, and continued in their own
     assert any(r["partial/interrupted_frac"] > 0 for r in rows[1:]), [r["partial/interrupted_frac"] for r in rows]
+
+
+def test_auto_staleness_moves_the_bound_and_every_step_keeps_the_bound_it_was_admitted_under(
+        local_ray, tmp_path: Path) -> None:
+    # A wide budget and a low wait threshold: the bound widens whenever the actor waits at all.
+    code, rows, printed = testing.tiny_run(
+        tmp_path, "auto", "trainer.steps=14", "async_policy.max_staleness=auto", "async_policy.auto.start=0",
+        "async_policy.auto.max=3", "async_policy.auto.hold_steps=1", "async_policy.auto.wait_frac=0.01",
+        "async_policy.auto.kl_budget=10", "tracing.exporter=jsonl")
+    assert code == 0, printed[-3000:]
+    bounds = [r["staleness/bound"] for r in rows]
+    assert bounds[0] == 0 and max(bounds) > 0 and all(0 <= b <= 3 for b in bounds), bounds
+    for r in rows:
+        assert r["staleness/max"] <= r["staleness/bound"], r
+        assert r["samples/consumed"] == 128 * r["step"] and "offpolicy/kl" in r
+    spans = [json.loads(line) for line in (tmp_path / "auto" / "traces.jsonl").read_text().splitlines()]
+    steps = [s for s in spans if s["name"] == "relax.step"]
+    assert steps and all("relax.staleness_bound" in s["attributes"] for s in steps)

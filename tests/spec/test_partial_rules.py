@@ -48,3 +48,32 @@ def test_the_plan_sends_token_versions_to_the_actor_only_with_partial_rollouts()
         plan = make_plan(validate_spec(raw), base_dir=base)
         actor = next(w for worker in plan.workers for w in worker.roles if w.role == "actor")
         assert (Column.token_versions in actor.reads) is expected
+
+
+def _tiny_issues(*overrides: str) -> dict[str, str]:
+    raw, _ = load_spec_dict(str(PRESETS / "tiny-cpu.yaml"), list(overrides))
+    try:
+        validate_spec(raw)
+    except SpecError as exc:
+        return {i.path: f"{i.message} | {i.remedy}" for i in exc.issues}
+    return {}
+
+
+def test_auto_staleness_validates_in_separate_mode_and_the_plan_shows_its_cap():
+    assert _tiny_issues("async_policy.max_staleness=auto", "async_policy.auto.max=3") == {}
+    raw, base = load_spec_dict(str(PRESETS / "tiny-cpu.yaml"), ["async_policy.max_staleness=auto",
+                                                                "async_policy.auto.max=3"])
+    plan = make_plan(validate_spec(raw), base_dir=base)
+    assert plan.settings.max_staleness == 3 and plan.settings.auto_staleness.max == 3
+    assert plan.staleness.max_staleness == 3 and plan.staleness.rule.startswith("auto: ")
+
+
+@pytest.mark.parametrize("overrides, path, words", [
+    (["placement.mode=colocate", "async_policy.max_staleness=auto"], "async_policy.max_staleness", "colocate"),
+    (["async_policy.max_staleness=auto", "async_policy.auto.start=5"], "async_policy.auto", "must not exceed max"),
+    (["async_policy.max_staleness=sometimes"], "async_policy.max_staleness", "auto"),
+    (["async_policy.max_staleness=auto", "algorithm.loss=pg"], "async_policy.auto.max", "tolerates"),
+])
+def test_auto_staleness_is_refused_where_it_cannot_work(overrides, path, words):
+    issues = _tiny_issues(*overrides)
+    assert any(p.startswith(path) and words in m for p, m in issues.items()), issues
