@@ -682,7 +682,7 @@ def check_partial(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     if backend is not None and not (trait(backend, PluginKind.rollout, "pausable")
                                     and callable(getattr(backend, "encode_prompt", None))):
         yield SpecIssue("roles.rollout.backend", f"rollout backend '{rollout.backend}' cannot pause generation at a "
-                        "token boundary (it does not declare the pausable trait)", f"use hf, or {fix}")
+                        "token boundary (it does not declare the pausable trait)", f"use hf or vllm, or {fix}")
     if rollout.agent is not None:
         yield SpecIssue("roles.rollout.partial", "partial rollouts and agentic rollouts (roles.rollout.agent) do "
                         "not combine yet", f"remove roles.rollout.agent, or {fix}")

@@ -62,7 +62,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,6 +89,9 @@ class VLLMRollout:
     #: It records MoE routing for replay through vLLM's routed-experts capture (where the engine
     #: can capture: model runner V2 with Triton; refused at build time elsewhere).
     router_replay: ClassVar[frozenset[str]] = frozenset({"r3"})
+    #: ``generate_tokens`` honours ``pause`` (streamed outputs; the running requests are aborted at
+    #: the pause): partial rollouts (``roles.rollout.partial``) swap weights there and continue.
+    pausable: ClassVar[bool] = True
 
     class Config(BaseModel):
         """Options of the vLLM rollout backend."""
@@ -317,11 +320,12 @@ class VLLMRollout:
         return ids[-self.max_prompt_tokens:]
 
     def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None,
-                        prompt_tokens: int | None = None) -> Any:
+                        prompt_tokens: int | None = None, streamed: bool = False) -> Any:
         """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block;
         ``max_tokens`` is the request's own budget (None: ``sampling.max_new_tokens``).
         ``prompt_tokens`` (the request's prompt length; needed when recording routing) has the
-        engine return routing from the prompt's last token on, the positions R3 keeps."""
+        engine return routing from the prompt's last token on, the positions R3 keeps.
+        ``streamed``: every output so far, as it grows (a request a partial rollout may pause)."""
         from vllm import SamplingParams
 
         from vllm.sampling_params import RequestOutputKind
@@ -329,7 +333,7 @@ class VLLMRollout:
         budget = int(sampling.max_new_tokens if max_tokens is None else max_tokens)
         common = dict(n=1, max_tokens=budget, logprobs=0, seed=seed,
                       stop_token_ids=list(self.stop_token_ids), detokenize=False,
-                      output_kind=RequestOutputKind.FINAL_ONLY)
+                      output_kind=RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY)
         if self.record_routing:
             if not prompt_tokens:
                 raise ValueError("sampling_params needs prompt_tokens while recording routing (r3)")
@@ -349,20 +353,33 @@ class VLLMRollout:
                   for row, (_, ids) in enumerate(rows)]
         return self._sample(rows, params)
 
-    def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int) -> list[Generation]:
+    def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int,
+                        pause: Callable[[list[bool]], bool] | None = None) -> list[Generation]:
         """One sample of each token prompt, in order (``prompt_index`` = index into ``prompts``): a
         multi-turn trajectory's next model turn. The ids go to the engine as they are (never
         re-tokenized, never cut, so the trainer sees exactly what the model saw); each prompt has its
         own budget (``max_new_tokens``, None: ``sampling.max_new_tokens``) and its own seed from
-        ``(seed, index)``, as the rows of ``generate``."""
-        rows, params = [], []
+        ``(seed, index)``, as the rows of ``generate``.
+
+        ``pause`` (partial rollouts) is asked whenever a request's output grows, with each row's
+        state (True once it ended or used its budget); when it answers True the unfinished requests
+        are aborted and every row comes back as far as its last output got (whole tokens with their
+        log-probs), so the caller can continue it, with other weights, from its tokens."""
+        rows, params, budgets = [], [], []
         for index, prompt in enumerate(prompts):
             budget = int(sampling.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens)
             self._check_token_prompt(index, prompt, budget)
             rows.append((index, list(prompt.ids)))
+            budgets.append(budget)
             params.append(self.sampling_params(sampling, _row_seed(seed, index), max_tokens=budget,
-                                               prompt_tokens=len(prompt.ids)))
-        return self._sample(rows, params) if rows else []
+                                               prompt_tokens=len(prompt.ids), streamed=pause is not None))
+        if not rows:
+            return []
+        if pause is None:
+            return self._sample(rows, params)
+        with self._lock:
+            outputs = self._call(self._generate_until(rows, params, budgets, pause))
+        return [self._generation(index, ids, output) for (index, ids), output in zip(rows, outputs)]
 
     def _sample(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Generation]:
         """Run one call's requests (``(prompt_index, prompt ids)`` rows, one ``SamplingParams``
@@ -438,6 +455,47 @@ class VLLMRollout:
         except BaseException:
             await engine.abort(ids)
             raise
+
+    async def _generate_until(self, rows: list[tuple[int, list[int]]], params: list[Any], budgets: list[int],
+                              pause: Callable[[list[bool]], bool]) -> list[Any]:
+        """``_generate`` with streamed outputs, asking ``pause`` as they grow: on True the requests
+        still running are aborted and each row's last output (cumulative: whole tokens so far) is
+        its answer; a row with no output yet comes back empty."""
+        from vllm.inputs.engine import tokens_input
+
+        engine = self.engine
+        ids = [uuid.uuid4().hex for _ in rows]
+        collectors = []
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            for request_id, (_, prompt_ids), p in zip(ids, rows, params):
+                collectors.append(await engine.add_request(request_id, tokens_input(list(prompt_ids)), p))
+        except BaseException:
+            await engine.abort(ids[:len(collectors)])
+            raise
+        finally:
+            await engine.resume_generation()
+        latest: list[Any] = [None] * len(rows)
+        done = [False] * len(rows)
+        waiting = {asyncio.ensure_future(c.get()): i for i, c in enumerate(collectors)}
+        try:
+            while waiting:
+                arrived, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for future in arrived:
+                    i = waiting.pop(future)
+                    latest[i] = output = future.result()
+                    if output.finished or len(output.outputs[0].token_ids) >= budgets[i]:
+                        done[i] = True
+                    else:
+                        waiting[asyncio.ensure_future(collectors[i].get())] = i
+                if waiting and pause(list(done)):
+                    break
+        finally:
+            for future in waiting:
+                future.cancel()
+            if waiting:
+                await engine.abort([ids[i] for i in waiting.values()])
+        return [output if output is not None else _no_output() for output in latest]
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -607,6 +665,13 @@ async def _final(collector: Any) -> Any:
         output = collector.get_nowait() or await collector.get()
         if output.finished:
             return output
+
+
+def _no_output() -> Any:
+    """The answer of a request paused before its first token: no tokens, no log-probs."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], routed_experts=None)], finished=False)
 
 
 def _row_seed(seed: int, row: int) -> int:

@@ -16,10 +16,10 @@ from relax.plan import make_plan
 PRESETS = Path(__file__).resolve().parents[2] / "presets"
 
 
-def _issues(*overrides: str) -> dict[str, str]:
+def _issues(*overrides: str, registry=None) -> dict[str, str]:
     raw, _ = load_spec_dict(str(PRESETS / "tiny-longtail-cpu.yaml"), list(overrides))
     try:
-        validate_spec(raw)
+        validate_spec(raw, registry=registry)
     except SpecError as exc:
         return {i.path: f"{i.message} | {i.remedy}" for i in exc.issues}
     return {}
@@ -34,12 +34,17 @@ def test_the_long_tail_preset_validates_with_partial_rollouts():
     (["roles.rollout.replicas=2"], "roles.rollout.partial", "one rollout replica"),
     (["roles.rollout.unit_prompts=4"], "roles.rollout.partial", "whole steps"),
     (["algorithm.dynamic_sampling.enabled=true"], "roles.rollout.partial", "dynamic sampling"),
-    (["roles.rollout.backend=vllm"], "roles.rollout.backend", "cannot pause"),
 ])
 def test_partial_rollouts_are_refused_where_they_cannot_work(overrides, path, words):
     issues = _issues(*overrides)
     assert path in issues, issues
     assert words in issues[path] and "roles.rollout.partial: false" in issues[path]
+
+
+def test_a_backend_that_cannot_pause_is_refused_and_hf_and_vllm_can(testkit_registry):
+    issues = _issues("roles.rollout.backend=test_rollout", registry=testkit_registry)
+    assert "cannot pause" in issues.get("roles.rollout.backend", ""), issues
+    assert "roles.rollout.backend" not in _issues("roles.rollout.backend=vllm")
 
 
 def test_the_plan_sends_token_versions_to_the_actor_only_with_partial_rollouts():
