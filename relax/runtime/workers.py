@@ -181,6 +181,9 @@ class RoleWorker:
         # One step of every hosted loop, in the plan's (data) order.
         self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
         self.env.bus = attaching.result() if attaching is not None else None
+        # Built: idle until the controller starts its task. Left as "starting", the build's time would
+        # count against progress_timeout_s until the first step's work began.
+        self.env.activity.label, self.env.activity.busy_since = "ready", None
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs (for placement checks) once its loops are built; why it could not
