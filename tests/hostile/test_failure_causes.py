@@ -16,6 +16,9 @@ its policy) must stop the run at once: no "restarted in place" line, no restart 
 | reward_fails_all_zero  | a reward failing on every sample under on_error: zero | 1 | always_raises, 100%, max_error_frac             |
 | reward_hangs           | a reward that never returns, ``timeout_s: null``   | 1    | reward 'never_returns', progress_timeout_s        |
 
+The probes that need a checkpoint to corrupt or a hang to wait out (truncated_weights,
+garbage_optimizer, reward_hangs) run in the faults lane; the others in the default suite.
+
 Separate tests (a setup of their own):
 
 - ``test_empty_data_file_is_refused_before_anything_starts``: an empty data file -> exit 2, "no rows".
@@ -138,7 +141,12 @@ def checkpointed(hostile_ray, tmp_path_factory) -> Path:
     return root / "base"
 
 
-@pytest.mark.parametrize("probe", TABLE, ids=[p.name for p in TABLE])
+#: Probes that cost a run more (a checkpoint to corrupt, a hang to wait out) run in the faults lane.
+SLOW = {"truncated_weights", "garbage_optimizer", "reward_hangs"}
+
+
+@pytest.mark.parametrize("probe", [pytest.param(p, id=p.name, marks=[pytest.mark.faults] if p.name in SLOW else [])
+                                   for p in TABLE])
 def test_every_failure_ends_with_its_cause(hostile_ray, probe: Probe, tmp_path: Path, capsys, request) -> None:
     resume = probe.corrupt is not None
     if resume:
