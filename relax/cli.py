@@ -1,6 +1,7 @@
 """The ``relax`` command line.
 
-Exit codes: 0 success, 1 the run failed at run time, 2 the spec or the command line is invalid.
+Exit codes: 0 success, 1 the run failed at run time, 2 the spec or the command line is invalid, 130
+the run was stopped by Ctrl-C or SIGTERM (its last checkpoint is kept for ``--resume``).
 User errors print a message, never a traceback. ``validate``, ``plan``, ``schema`` and ``plugins``
 import neither torch nor ray; ``run`` imports the runtime only after the spec is valid.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from relax import __version__
 from relax.spec.errors import SpecError
 
-EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class UsageError(Exception):
@@ -242,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"relax: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside a run's own handling (which says how to resume)
         print("relax: interrupted", file=sys.stderr)
-        return EXIT_RUN_FAILED
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

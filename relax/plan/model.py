@@ -159,6 +159,8 @@ class RewardUse(PlanPart):
     weight: float
     timeout_s: float | None
     on_error: str
+    max_error_frac: float = 0.5
+    """Under ``on_error: zero``, the share of a batch it may fail on before the run stops."""
     always: bool
 
 

@@ -141,7 +141,7 @@ def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
 
 def reward_uses(spec: RunSpec) -> list[RewardUse]:
     return [RewardUse(key=r.key, plugin=_use(PluginKind.rewards, r.name, r.options), weight=r.weight,
-                      timeout_s=r.timeout_s, on_error=r.on_error, always=r.always) for r in spec.rewards]
+                      timeout_s=r.timeout_s, on_error=r.on_error, max_error_frac=r.max_error_frac, always=r.always) for r in spec.rewards]
 
 
 def rollout_use(spec: RunSpec, threads: int | None = None) -> PluginUse:

@@ -138,7 +138,8 @@ def build_planned(use: PluginUse, model_path: str = "", loss: Any = None) -> Any
 def build_scorer(rewards: list[RewardUse]) -> RewardScorer:
     """The run's planned rewards, each with its weight, time limit and error policy, in a scorer."""
     return RewardScorer([RewardEntry(key=r.key, name=r.plugin.name, plugin=build_reward(r.plugin.name, r.plugin.options),
-                                     weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error, always=r.always)
+                                     weight=r.weight, timeout_s=r.timeout_s, on_error=r.on_error,
+                                     max_error_frac=r.max_error_frac, always=r.always)
                          for r in rewards])
 
 

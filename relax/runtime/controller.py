@@ -37,7 +37,7 @@ from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
 from relax.runtime.staleness import StalenessController
 from relax.runtime.startup import InBackground, StartupClock
-from relax.runtime.supervision import SUPERVISE_S, ResumeRun, RunFailed, Supervision
+from relax.runtime.supervision import SUPERVISE_S, ResumeRun, RunFailed, Supervision, start_failure
 from relax.spec.models import RunSpec
 
 if TYPE_CHECKING:
@@ -231,7 +231,12 @@ class Controller(Deployment, Supervision, Elastic):
                                                      "(fault_tolerance.wait_timeout_s)")
             done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, BUS_CHECK_S))
             for ref in done:
-                pending.pop(ref).started(ray.get(ref))
+                slot = pending.pop(ref)
+                try:
+                    info = ray.get(ref)
+                except Exception as exc:  # its constructor failed: it would on every try (start_failure)
+                    raise RunFailed(start_failure(slot.holder, exc)) from None
+                slot.started(info)
 
     # -- watching -------------------------------------------------------------------------------
 

@@ -91,7 +91,10 @@ def hung_workers(beats: dict[str, Beat], watched: dict[str, float], now: float,
                                             f"heartbeat_timeout_s={heartbeat_timeout_s:g}): the process is "
                                             "frozen or its node is lost"))
         elif beat and beat.busy_since is not None and now - beat.busy_since > progress_timeout_s:
+            # A reward plugin's call runs under its own label ("reward '<id>' (<plugin>) scoring ..."):
+            # the hang is the reward's, and its own time limit is the fix.
+            hint = "; give it a rewards[].timeout_s" if beat.activity.startswith("reward ") else ""
             verdicts.append(Verdict(holder, f"busy with {beat.activity} for {now - beat.busy_since:.0f} s "
                                             f"(fault_tolerance.progress_timeout_s={progress_timeout_s:g}): it "
-                                            "stopped making progress"))
+                                            f"stopped making progress{hint}"))
     return verdicts

@@ -19,6 +19,9 @@ from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID = 0, 1, 2
+#: Ctrl-C (SIGINT) or SIGTERM: the run stopped gracefully, its last checkpoint is kept (128 + SIGINT,
+#: the shell's convention for a process ended by Ctrl-C).
+EXIT_INTERRUPTED = 130
 #: The file a run writes first into its output folder: only a folder holding it is taken for an
 #: earlier run (and renamed to keep it); any other non-empty folder is the user's, never touched.
 RUN_MARKER = ".relax-run"
@@ -265,6 +268,13 @@ def stop_embedded_ray() -> None:
     ray.shutdown()
 
 
+def _session_dir() -> str:
+    """The folder of the Ray session this driver started (Ray's own handle on it)."""
+    import ray
+
+    return ray._private.worker._global_node.get_session_dir_path()
+
+
 def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
     """What this run executes, in its folder: ``plan.json`` (the very plan the workers are built
     from, as ``relax plan --format json`` prints it) and ``spec.yaml`` (the spec with every default
@@ -280,8 +290,52 @@ def write_run_record(output_dir: Path, spec: RunSpec, plan: Plan) -> None:
     (output_dir / "spec.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(spec.model_dump(mode="json"))))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the run stops exactly as on Ctrl-C."""
+
+
+def stop_on_sigterm() -> Any:
+    """Make SIGTERM stop the run like Ctrl-C (``Terminated``), in the main thread only. ``ray.init``
+    installs a handler of its own (``sys.exit``), which skips the run's shutdown and ends in a native
+    abort, so this is called after it. A second SIGTERM while the run shuts down is ignored: the
+    shutdown is what stops the run's processes. Returns the handler it replaced."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("SIGTERM")
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
+def interrupted_hint(exc: KeyboardInterrupt, resume_command: str, output_dir: Path) -> str:
+    """The last line of a run stopped by Ctrl-C or SIGTERM: what stopped it and how to go on."""
+    what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    found = resume_checkpoint(output_dir)
+    if found is None:
+        return f"relax run: {what}; no checkpoint was written yet: run `{resume_command}` again to start over"
+    return (f"relax run: {what}; the run stopped at its checkpoint of step {found[0]}, which is kept: "
+            f"resume with `{resume_command} --resume`")
+
+
+def _resume_command() -> str:
+    """The command line that started this run, for the resume hint (``relax run ...``)."""
+    args = [a for a in sys.argv[1:] if a != "--resume"]
+    if args[:1] == ["run"]:
+        import shlex
+
+        return "relax " + " ".join(shlex.quote(a) for a in args)
+    return "relax run SPEC"
+
+
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
-    """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start."""
+    """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start,
+    130 (``EXIT_INTERRUPTED``) when Ctrl-C or SIGTERM stopped it. The last line printed names the
+    cause; it is printed once the run's Ray is down, so no forwarded worker output follows it."""
     from relax.runtime.startup import InBackground, StartupClock, process_started_at
 
     clock = StartupClock(process_started_at())
@@ -320,8 +374,14 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     clock.mark("model")
     # Ray mostly waits for the processes it starts: the driver imports the runtime meanwhile.
     imports = InBackground(lambda: import_runtime(plan), name="runtime-imports", clock=clock, part="runtime_imports")
+    from relax.runtime.ray_sessions import clean_orphaned_sessions, forget_session, record_session
+
+    for session in clean_orphaned_sessions():  # Ray processes of a driver that was killed
+        print(f"relax run: stopped the leftover processes of a killed run's Ray ({session})", file=sys.stderr)
     embedded = _init_ray(spec)
-    code = EXIT_RUN_FAILED
+    session = record_session(_session_dir()) if embedded else None
+    previous_sigterm = stop_on_sigterm()
+    code, last_line = EXIT_RUN_FAILED, None
     try:
         imports.result()
         clock.mark("ray")
@@ -330,17 +390,26 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
         controller = Controller(spec, plan, base_dir, output_dir, model_path, start_step, resume_from, stream,
                                 startup=clock)
         code = controller.run()
-    except KeyboardInterrupt:
-        print("relax run: interrupted; the last checkpoint is kept for --resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+        code, last_line = EXIT_INTERRUPTED, interrupted_hint(exc, _resume_command(), output_dir)
     except Exception as exc:  # a role failed: report its cause, not the controller's traceback
         cause = getattr(exc, "cause", None) or exc  # a role's exception arrives wrapped by Ray
         lines = str(cause).strip().splitlines() or [repr(cause)]
-        print(f"relax run: the run failed: {lines[0]}", file=sys.stderr)
+        last_line = f"relax run: the run failed: {lines[0]}"
         if os.environ.get("RELAX_DEBUG"):
             print(str(exc), file=sys.stderr)
     finally:
-        if embedded:
-            stop_embedded_ray()
+        try:
+            if embedded:
+                stop_embedded_ray()
+                forget_session(session)
+        finally:
+            if previous_sigterm is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, previous_sigterm)
+    if last_line is not None:
+        print(last_line, file=sys.stderr, flush=True)
     if code == EXIT_OK:  # the shutdown counts until Ray is down: metrics and checkpoints are written by then
         clock.stopped()
         print(f"relax run: {clock.line()}", file=stream or sys.stdout, flush=True)

@@ -9,7 +9,8 @@ cancelled; a thread cannot be stopped, so the plugin is not called again until t
 
 A plugin that raises is asked again, sample by sample, to find the samples it cannot score, so
 the error names them. What a failure does is the entry's ``on_error`` policy: ``fail`` raises
-``RewardError`` (the run stops with it), ``zero`` scores the failed samples 0 and counts them.
+``RewardError`` (the run stops with it), ``zero`` scores the failed samples 0 and counts them, unless
+they are more than ``max_error_frac`` of the entry's share of the batch (then ``RewardError`` too).
 
 Routing: a sample may name the rewards that score it (``data.reward_key``): an entry's ``key`` (its
 ``id``, else its plugin name) or its plugin name, or a list of them. A sample without a route is
@@ -53,6 +54,8 @@ class RewardEntry:
     weight: float = 1.0
     timeout_s: float | None = None
     on_error: str = "fail"
+    max_error_frac: float = 0.5
+    """Under ``zero``: the largest share of a batch it may fail on before the run stops."""
     always: bool = False
     pending: Future | None = field(default=None, repr=False)
     """A call that overran its timeout and is still running in a thread."""
@@ -209,9 +212,16 @@ class RewardScorer:
             raise RewardError(f"reward '{entry.key}' ({entry.name}): {exc}") from None
 
     def _on_failures(self, entry: RewardEntry, share: list[int], outcome: Outcome, ids: list[str]) -> None:
-        if entry.on_error == "zero":
-            return
         first, why = outcome.failures[0]
+        if entry.on_error == "zero":
+            frac = len(outcome.failures) / len(share)
+            if frac > entry.max_error_frac:
+                raise RewardError(f"reward '{entry.key}' ({entry.name}) failed on {len(outcome.failures)} of "
+                                  f"{len(share)} samples ({frac:.0%}), more than rewards[].max_error_frac="
+                                  f"{entry.max_error_frac:g} allows under on_error: zero; first failure (sample "
+                                  f"{ids[share[first]]}): {why}; fix the plugin or its input, or raise "
+                                  "max_error_frac")
+            return
         failed = [ids[share[i]] for i, _ in outcome.failures]
         more = f" (and {len(failed) - 1} more: {', '.join(failed[1:1 + LISTED_IDS])}" \
                f"{', ...' if len(failed) > 1 + LISTED_IDS else ''})" if len(failed) > 1 else ""

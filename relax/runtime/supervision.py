@@ -36,6 +36,41 @@ class ResumeRun(Exception):
         self.roles, self.reason = roles, reason
 
 
+class RoleFailure(RuntimeError):
+    """A role's failure as a worker raises it to the controller: the cause on the first line, the
+    traceback after it. ``stops_run`` marks a failure that would repeat on any retry (a worker that
+    cannot start, a reward plugin that breaks its contract or fails under ``on_error: fail``): the
+    controller stops the run at once instead of spending the role's restart budget on it."""
+
+    def __init__(self, message: str, stops_run: bool = False) -> None:
+        super().__init__(message)
+        self.stops_run = stops_run
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it to the driver: keep the flag
+        return (RoleFailure, (self.args[0], self.stops_run))
+
+    @property
+    def headline(self) -> str:
+        """The cause alone (its first line)."""
+        return self.args[0].splitlines()[0] if self.args and self.args[0] else "unknown failure"
+
+
+def start_failure(holder: str, exc: BaseException) -> str:
+    """Why worker ``holder`` could not start, in one line, from what ``ray.get`` of its ``ready``
+    raised: the worker's own exception (``RoleWorker`` keeps a failure of its constructor and
+    raises it from ``ready``), or what Ray kept of one that killed the process while it started."""
+    import ray
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, RoleFailure):
+        return cause.headline
+    if isinstance(exc, ray.exceptions.RayActorError):
+        if exc.actor_init_failed:  # Ray's text of the creation task's error: its last line is the exception
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            return f"worker {holder} failed while starting: {lines[-1] if lines else type(exc).__name__}"
+        return f"worker {holder} died while starting ({type(exc).__name__}); see its log under the Ray session folder"
+    text = str(cause or exc).strip()
+    return f"worker {holder} failed while starting: {type(cause or exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class Supervision:
@@ -64,6 +99,9 @@ class Supervision:
                 try:
                     result = ray.get(slot.task)
                 except Exception as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, RoleFailure) and cause.stops_run:
+                        raise RunFailed(f"{cause.headline} (not retried: it would fail the same way again)") from None
                     self._failed(slot, _cause(exc))
                     continue
                 slot.task = None
@@ -95,6 +133,20 @@ class Supervision:
         done, _ = ray.wait(tasks, num_returns=len(tasks), timeout=self.faults.wait_timeout_s)
         for ref in done:
             ray.get(ref)
+
+    def _started(self, slot: Slot, timeout_s: float) -> None:
+        """Wait until a (re)started worker is ready. One that fails while starting stops the run at
+        once: its constructor fails the same way on every try (bad data, a plugin that cannot be
+        built, a broken checkpoint), so restarting it would only spend the budget and hide the
+        cause. Only a timeout (``ray.exceptions.GetTimeoutError``) is left to the caller."""
+        import ray
+
+        try:
+            self._ready(slot, timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise
+        except Exception as exc:
+            raise RunFailed(start_failure(slot.holder, exc)) from None
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -143,7 +195,7 @@ class Supervision:
             self._move(slot, timeout)
         self._launch(slot)
         try:
-            self._ready(slot, timeout)
+            self._started(slot, timeout)
         except ray.exceptions.GetTimeoutError:
             ray.kill(slot.worker, no_restart=True)
             try:
@@ -152,7 +204,7 @@ class Supervision:
                 raise RunFailed(f"{slot.holder} cannot be placed again after it failed ({reason.splitlines()[0]}): "
                                 f"{exc}") from None
             self._launch(slot)
-            self._ready(slot, timeout)
+            self._started(slot, timeout)
         self.events[-1]["node"] = slot.node
         print(f"relax run: {slot.holder} failed ({reason.splitlines()[0][:200]}); restarted in place on node "
               f"{str(slot.node)[:12]}" + (f", {regenerated} samples to generate again" if regenerated else ""),

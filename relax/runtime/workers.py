@@ -29,6 +29,8 @@ from relax.runtime.roles.forward import ForwardLoop
 from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
 from relax.runtime.run_state import partition_of
+from relax.runtime.scoring import RewardError
+from relax.runtime.supervision import RoleFailure
 from relax.runtime.startup import InBackground
 from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
 from relax.plan.model import RolloutWork, RunSettings, WorkerPlan
@@ -79,18 +81,36 @@ def attach_bus(timeout_s: float) -> Any:
     return Bus.attach(timeout_s)
 
 
-def role_failure(what: str, exc: BaseException) -> RuntimeError:
+def role_failure(what: str, exc: BaseException, *, stops_run: bool = False) -> RoleFailure:
     """A role's failure for the controller, which decides what it does (restart this worker,
     resume the run from its checkpoint, or stop it: fault_tolerance.roles): the cause on the
-    first line, the traceback after it."""
+    first line, the traceback after it. A reward's failure (``RewardError``: a broken contract, a
+    sample failing under ``on_error: fail``, too many failing under ``zero``) repeats on any retry,
+    so it stops the run whatever the policy, as does ``stops_run``."""
     detail = "".join(traceback.format_exception(exc))
-    return RuntimeError(f"{what}: {type(exc).__name__}: {exc}\n{detail}")
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return RoleFailure(f"{what}: {type(exc).__name__}: {message}\n{detail}",
+                       stops_run=stops_run or isinstance(exc, RewardError))
 
 
 class RoleWorker:
     """Hosts the loops of some roles (use as ``ray.remote(RoleWorker)``)."""
 
     def __init__(self, launch: WorkerLaunch, state: Any) -> None:
+        # A constructor that raises kills the actor: Ray then prints the traceback from the worker
+        # and hands the driver only its text. Kept here instead, the failure reaches the controller
+        # from ``ready`` as the exception itself, and the worker is killed without a word.
+        self.start_error: RoleFailure | None = None
+        self.heartbeat: Heartbeat | None = None
+        try:
+            self._build(launch, state)
+        except Exception as exc:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            self.start_error = role_failure(f"worker {launch.name} failed while starting", exc, stops_run=True)
+
+    def _build(self, launch: WorkerLaunch, state: Any) -> None:
+        """Build the hosted role loops (their plugins, models and weight channels)."""
         from transformers.utils import logging as hf_logging
 
         plan, settings, holder = launch.worker, launch.settings, launch.name
@@ -161,9 +181,15 @@ class RoleWorker:
         # One step of every hosted loop, in the plan's (data) order.
         self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
         self.env.bus = attaching.result() if attaching is not None else None
+        # Built: idle until the controller starts its task. Left as "starting", the build's time would
+        # count against progress_timeout_s until the first step's work began.
+        self.env.activity.label, self.env.activity.busy_since = "ready", None
 
     def ready(self) -> dict[str, Any]:
-        """Where this worker runs (for placement checks) once its loops are built."""
+        """Where this worker runs (for placement checks) once its loops are built; why it could not
+        build them (``RoleFailure``) otherwise."""
+        if self.start_error is not None:
+            raise self.start_error
         context = ray.get_runtime_context()
         return {"roles": self.roles, "pid": os.getpid(), "node": context.get_node_id(),
                 "placement_group": context.get_placement_group_id(),
@@ -238,6 +264,8 @@ class RoleWorker:
     def close(self) -> None:
         """Flush this process's spans, stop the other ranks of its model roles and let go of the bus
         (called before the actor is killed)."""
+        if self.start_error is not None:  # nothing was built
+            return
         self.heartbeat.stop()
         for backend in self._ranked().values():
             backend.close()

@@ -234,6 +234,10 @@ class RewardSpec(Section):
     """What a failing sample (an exception, a non-finite score, a timeout) does: ``fail`` stops the
     run with an error naming the reward and the sample; ``zero`` scores it 0 and counts it in
     ``reward/<id>/errors``."""
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0)
+    """Under ``on_error: zero``, the largest share of a batch this reward may fail on: past it the
+    run stops with an error naming the reward and the share, since a reward that fails on most
+    samples trains on zeros, not on the task. 1.0 never stops."""
     always: bool = False
     """Score every sample, even those that ``data.reward_key`` routes to other rewards (e.g. a
     length penalty next to per-source correctness rewards)."""

@@ -58,7 +58,13 @@ class JsonlDataset:
         self.rows: list[dict[str, Any]] = self._read()
 
     def _read(self) -> list[dict[str, Any]]:
-        text = self.path.read_text(encoding="utf-8")
+        raw = self.path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # name the line: the file may be long
+            line = raw[:exc.start].count(b"\n") + 1
+            raise DatasetFileError(f"{self.path}:{line}: not UTF-8 text (byte "
+                                   f"{raw[exc.start]:#04x}); save the file as UTF-8") from None
         limit = self.config.limit
         if self.path.suffix == ".json":
             try:

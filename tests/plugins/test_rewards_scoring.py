@@ -100,7 +100,7 @@ def test_an_async_reward_past_its_timeout_fails_naming_it_and_is_cancelled():
 
 def test_a_sync_reward_past_its_timeout_is_not_called_again_while_it_runs():
     slow = SlowSync(0.6)
-    scorer = RewardScorer([entry("slow", slow, timeout_s=0.1, on_error="zero"), entry("one", Constant(1.0))])
+    scorer = RewardScorer([entry("slow", slow, timeout_s=0.1, on_error="zero", max_error_frac=1.0), entry("one", Constant(1.0))])
     started = time.monotonic()
     report = scorer.score(samples(2))
     assert time.monotonic() - started < 0.5

@@ -87,7 +87,9 @@ def reward_loop(overrides: dict):
     span = RecordingSpan()
     telemetry = SimpleNamespace(span=lambda *a, **k: span)
     wiring = RoleWiring(role="reward", task="reward", rewards=reward_uses(spec), reads=["prompt", "response", "label"])
-    env = SimpleNamespace(settings=run_settings(spec, Path.cwd()), telemetry=telemetry)
+    from relax.runtime.health import Activity
+
+    env = SimpleNamespace(settings=run_settings(spec, Path.cwd()), telemetry=telemetry, activity=Activity())
     return RewardLoop(env, wiring), span
 
 

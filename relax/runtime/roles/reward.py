@@ -61,7 +61,11 @@ class RewardLoop:
                 info["response_tokens"] = int(lengths[i][1])
             routes.append(info.pop("reward_route", None))
             samples.append(RewardSample(prompt=prompt, response=response, label=label, metadata=info))
-        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta) as span:
+        # Its own piece of work: a reward that never returns (timeout_s: null) is then blamed by name,
+        # not as the generation of the rollout it may ride in (fault_tolerance.progress_timeout_s).
+        names = ", ".join(f"'{e.key}' ({e.name})" for e in self.rewards.entries)
+        with self.env.telemetry.span(REWARD_SCORE, step=step, samples=len(samples), links=meta) as span, \
+                self.env.activity.busy(f"reward {names} scoring {len(samples)} samples of step {step}"):
             report = self.rewards.score(samples, routes if self.env.settings.data.reward_key else None)
             per_reward = report.stats()
             span.set(**{"relax.reward." + k.replace("/", "."): v for k, v in per_reward.items()})

@@ -1,0 +1,152 @@
+"""Records of the embedded Ray sessions that ``relax run`` starts, so that the processes of a driver
+that was killed (``kill -9``, an OOM kill, a lost terminal) do not outlive it for good.
+
+A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself. One killed outright
+cannot: Ray's GCS, raylet, dashboard and runtime-env agents and idle workers go on running. So each
+embedded run writes a small record (its pid and start time, the Ray session folder, the pids of the
+processes Ray started) into the state folder, and removes it when it stops its Ray. The next
+``relax run`` reads the records first: a record whose driver is gone names processes to end.
+
+The state folder is ``$RELAX_STATE_DIR``, else ``$XDG_STATE_HOME/relax``, else
+``~/.local/state/relax``; the records live in its ``ray-sessions/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+#: Where a run's state folder is taken from, first match wins.
+STATE_DIR_ENV = "RELAX_STATE_DIR"
+#: How long a leftover process gets to end on SIGTERM before it is killed.
+TERMINATE_GRACE_S = 3.0
+
+
+def state_dir() -> Path:
+    """Relax's per-user state folder (see the module docstring)."""
+    if os.environ.get(STATE_DIR_ENV):
+        return Path(os.environ[STATE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "relax"
+
+
+def sessions_dir() -> Path:
+    return state_dir() / "ray-sessions"
+
+
+@dataclass
+class SessionRecord:
+    """One embedded Ray session and the driver that owns it."""
+
+    driver_pid: int
+    driver_started: float
+    """The driver's start time (``psutil``): a pid alone may have been reused by now."""
+    session_dir: str
+    """Ray's session folder; its path is on the command line of Ray's own daemons."""
+    pids: dict[int, float] = field(default_factory=dict)
+    """The processes Ray started (pid -> start time) when the record was written."""
+
+    @property
+    def path(self) -> Path:
+        return sessions_dir() / f"{self.driver_pid}-{int(self.driver_started)}.json"
+
+
+def _started(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def record_session(session_dir: str) -> SessionRecord:
+    """Write the record of this driver's embedded Ray (call right after ``ray.init`` started it):
+    every process below the driver now is one of Ray's."""
+    import psutil
+
+    me = psutil.Process()
+    pids = {}
+    for child in me.children(recursive=True):
+        try:
+            pids[child.pid] = child.create_time()
+        except psutil.NoSuchProcess:
+            continue
+    record = SessionRecord(os.getpid(), me.create_time(), session_dir, pids)
+    record.path.parent.mkdir(parents=True, exist_ok=True)
+    record.path.write_text(json.dumps(asdict(record)) + "\n")
+    return record
+
+
+def forget_session(record: SessionRecord | None) -> None:
+    """Remove the record once this driver stopped its Ray."""
+    if record is not None:
+        record.path.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> SessionRecord | None:
+    try:
+        data = json.loads(path.read_text())
+        return SessionRecord(int(data["driver_pid"]), float(data["driver_started"]), str(data["session_dir"]),
+                             {int(k): float(v) for k, v in data.get("pids", {}).items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def session_processes(record: SessionRecord) -> list:
+    """The live processes of a recorded session: those recorded (same pid and start time), their
+    descendants (workers and agents the raylet started later), and any whose command line names the
+    session folder."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for pid, started in record.pids.items():
+        if _started(pid) == started:
+            try:
+                process = psutil.Process(pid)
+                found[pid] = process
+                found.update({c.pid: c for c in process.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                continue
+    for process in psutil.process_iter(["cmdline"]):
+        if process.pid not in found and record.session_dir in " ".join(process.info["cmdline"] or ()):
+            found[process.pid] = process
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def clean_orphaned_sessions() -> list[str]:
+    """End the processes of every recorded session whose driver is gone and drop its record; the
+    session folders of the sessions cleaned. A record of a live driver (another run) is left alone."""
+    import psutil
+
+    folder = sessions_dir()
+    if not folder.is_dir():
+        return []
+    cleaned = []
+    for path in sorted(folder.glob("*.json")):
+        record = _load(path)
+        if record is None:  # unreadable: nothing can be done with it
+            path.unlink(missing_ok=True)
+            continue
+        if _started(record.driver_pid) == record.driver_started:
+            continue  # its driver still runs
+        processes = session_processes(record)
+        for process in processes:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(processes, timeout=TERMINATE_GRACE_S)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
+        path.unlink(missing_ok=True)
+        if processes:
+            cleaned.append(record.session_dir)
+    return cleaned
