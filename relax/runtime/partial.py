@@ -152,7 +152,9 @@ class PartialRollouts:
 
     def _take_ahead(self, step: int, prompts: list[list[int]], n: int) -> list[Draft] | None:
         """The drafts started for ``step`` during the previous one, if they are for these prompts
-        (a restarted or re-leased step starts afresh)."""
+        (a restarted or re-leased step starts afresh) and still within the bound (``max_staleness:
+        auto`` may have narrowed it since they started: they are then generated again, under the
+        newer weights; none of them was ever emitted)."""
         ahead, self.ahead = self.ahead, None
         if ahead is None or ahead[0] != step:
             return None
@@ -160,10 +162,7 @@ class PartialRollouts:
         if [d.prompt_ids for d in drafts[::n]] != [list(p) for p in prompts] or len(drafts) != n * len(prompts):
             return None
         oldest = min((v for d in drafts for v in d.versions), default=self.backend.version)
-        if step - oldest > self.max_staleness:  # cannot happen: drafts start only when admissible
-            raise RuntimeError(f"drafts of step {step} hold tokens of policy version {oldest}, beyond "
-                               f"async_policy.max_staleness={self.max_staleness}")
-        return drafts
+        return drafts if step - oldest <= self.max_staleness else None
 
     def _decoder(self) -> Callable[[list[int]], str]:
         tokenizer = self.backend.tokenizer

@@ -149,3 +149,19 @@ def test_the_version_watch_sees_a_newer_version_without_waiting():
         assert not watch.newer()
     finally:
         watch.close()
+
+
+def test_drafts_beyond_a_narrowed_bound_are_generated_again(make_spec, tiny_model_path):
+    """max_staleness: auto may narrow the bound after the next step's drafts started: they are
+    generated afresh under the weights held now (none of them was emitted, so nothing is lost)."""
+    spec = make_spec({"roles.rollout.sampling.max_new_tokens": 8})
+    backend = _rollout(spec, tiny_model_path)
+    partial = PartialRollouts(backend, max_staleness=1, newer=lambda: False, swap=lambda: None)
+    prompts = [backend.encode_prompt(p) for p in PROMPTS[:2]]
+    following = [backend.encode_prompt(p) for p in PROMPTS[2:]]
+    partial.sample(0, prompts, 2, spec.roles.rollout.sampling, seed=1, next_prompts=lambda: following)
+    assert partial.ahead is not None and any(d.response_ids for d in partial.ahead[1])
+    partial.max_staleness = 0  # step 1 now needs version 1; the drafts are of version 0
+    backend.version = 1
+    gens, stats = partial.sample(1, following, 2, spec.roles.rollout.sampling, seed=2, next_prompts=None)
+    assert stats.partial_interrupted == 0 and all(set(g.token_versions) == {1} for g in gens)
