@@ -60,6 +60,19 @@ def tiny_run(out_dir: Path, name: str, *overrides: str, resume: bool = False,
     return code, rows, out.getvalue()
 
 
+def teacher_forced_logprobs(model_path: str, prompt_ids: list[int], response: list[int]) -> list[float]:
+    """``log p(response_t | prompt, response_<t)`` of the Hugging Face model in ``model_path``, one
+    forward pass (float32): what a rollout's behaviour log-probs must equal for that model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    ids = torch.tensor([list(prompt_ids) + list(response)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+
+
 def sample_train_batch(rows: int = 7, vocab: int = 99, seed: int = 0) -> Any:
     """A fixed ``TrainBatch`` for checking a trainer backend: ragged prompts and responses (left and
     right padding, varied lengths) of token ids in ``[3, vocab)``, behaviour log-probs and

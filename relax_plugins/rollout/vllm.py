@@ -432,10 +432,11 @@ class VLLMRollout:
                             if self.record_routing else None),
         )
 
-    async def _generate(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Any]:
+    async def _queue(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> tuple[list[str], list[Any]]:
         """Queue every request while the scheduler is paused, then release them together, so the
         engine batches a call the same way each time (same batches, same numbers). Requests and
-        the resume message travel the same ordered channel to the engine core."""
+        the resume message travel the same ordered channel to the engine core. Returns the request
+        ids and their output collectors."""
         from vllm.inputs.engine import tokens_input
 
         engine = self.engine
@@ -450,10 +451,15 @@ class VLLMRollout:
             raise
         finally:
             await engine.resume_generation()
+        return ids, collectors
+
+    async def _generate(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Any]:
+        """Every request of a call to its end (``_queue``), in the rows' order."""
+        ids, collectors = await self._queue(rows, params)
         try:
             return [await _final(collector) for collector in collectors]
         except BaseException:
-            await engine.abort(ids)
+            await self.engine.abort(ids)
             raise
 
     async def _generate_until(self, rows: list[tuple[int, list[int]]], params: list[Any], budgets: list[int],
@@ -461,20 +467,7 @@ class VLLMRollout:
         """``_generate`` with streamed outputs, asking ``pause`` as they grow: on True the requests
         still running are aborted and each row's last output (cumulative: whole tokens so far) is
         its answer; a row with no output yet comes back empty."""
-        from vllm.inputs.engine import tokens_input
-
-        engine = self.engine
-        ids = [uuid.uuid4().hex for _ in rows]
-        collectors = []
-        await engine.pause_generation(mode="keep", clear_cache=False)
-        try:
-            for request_id, (_, prompt_ids), p in zip(ids, rows, params):
-                collectors.append(await engine.add_request(request_id, tokens_input(list(prompt_ids)), p))
-        except BaseException:
-            await engine.abort(ids[:len(collectors)])
-            raise
-        finally:
-            await engine.resume_generation()
+        ids, collectors = await self._queue(rows, params)
         latest: list[Any] = [None] * len(rows)
         done = [False] * len(rows)
         waiting = {asyncio.ensure_future(c.get()): i for i, c in enumerate(collectors)}
@@ -494,7 +487,7 @@ class VLLMRollout:
             for future in waiting:
                 future.cancel()
             if waiting:
-                await engine.abort([ids[i] for i in waiting.values()])
+                await self.engine.abort([ids[i] for i in waiting.values()])
         return [output if output is not None else _no_output() for output in latest]
 
     # -- weights --------------------------------------------------------------------------------

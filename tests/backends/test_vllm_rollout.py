@@ -507,21 +507,12 @@ def test_tiny_preset_trains_with_collective_weight_sync(tmp_path: Path):
 # -- partial rollouts (issue 19) ------------------------------------------------------------------
 
 
-def _teacher_forced(model_path: str, prompt_ids: list[int], response: list[int]) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    ids = torch.tensor([prompt_ids + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
-
-
 def test_a_weight_update_mid_generation_continues_under_the_new_weights(engine, spec, tiny_model_path, tmp_path):
     """Partial rollouts on vLLM: the requests are aborted at a pause, version 1 is pushed, and the
     samples continue from their tokens; each token's log-prob is the one of the version that chose
     it (a teacher-forced pass of each version's weights), and every sample goes to its end."""
     from relax.runtime.partial import PartialRollouts
+    from relax.testing import teacher_forced_logprobs
 
     original = build_trainer(spec, tiny_model_path).weights()
     pushed = perturbed_checkpoint(tiny_model_path, tmp_path / "pushed")
@@ -546,7 +537,7 @@ def test_a_weight_update_mid_generation_continues_under_the_new_weights(engine, 
         assert g.finished or len(g.response_ids) == 24
     for g in mixed:
         cut = g.token_versions.index(1)
-        old = _teacher_forced(tiny_model_path, g.prompt_ids, g.response_ids)
-        new = _teacher_forced(str(tmp_path / "pushed"), g.prompt_ids, g.response_ids)
+        old = teacher_forced_logprobs(tiny_model_path, g.prompt_ids, g.response_ids)
+        new = teacher_forced_logprobs(str(tmp_path / "pushed"), g.prompt_ids, g.response_ids)
         assert max(abs(a - b) for a, b in zip(g.logprobs, old[:cut] + new[cut:])) < 1e-4
         assert max(abs(a - b) for a, b in zip(g.logprobs[cut:], old[cut:])) > 1e-3

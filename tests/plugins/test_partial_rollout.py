@@ -8,11 +8,11 @@ runtime's ``VersionWatch`` drives it when the actor publishes."""
 
 from __future__ import annotations
 
-import torch
 
 from relax.plan.contexts import rollout_context
 from relax.registry import get_registry
 from relax.runtime.partial import PartialRollouts, VersionWatch
+from relax.testing import teacher_forced_logprobs
 from tests.plugins.test_hf_weight_push import _perturbed_checkpoint
 
 PROMPTS = ["12+7=", "3*4=", "9-5=", "21+30="]
@@ -39,16 +39,6 @@ class SwapAt:
         self.backend.load_weights(self.weights, version=1)
 
 
-def _teacher_forced(model_path: str, prompt_ids: list[int], response: list[int]) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    ids = torch.tensor([prompt_ids + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
-
-
 def test_a_mid_generation_update_gives_two_versions_scored_by_their_own_weights(make_spec, tiny_model_path,
                                                                                 tmp_path):
     spec = make_spec({"roles.rollout.sampling.max_new_tokens": 16})
@@ -70,8 +60,8 @@ def test_a_mid_generation_update_gives_two_versions_scored_by_their_own_weights(
         assert g.token_versions == sorted(g.token_versions)  # older tokens first
     for g in mixed:
         cut = g.token_versions.index(1)
-        old = _teacher_forced(tiny_model_path, g.prompt_ids, g.response_ids)
-        new = _teacher_forced(str(tmp_path / "pushed"), g.prompt_ids, g.response_ids)
+        old = teacher_forced_logprobs(tiny_model_path, g.prompt_ids, g.response_ids)
+        new = teacher_forced_logprobs(str(tmp_path / "pushed"), g.prompt_ids, g.response_ids)
         expected = old[:cut] + new[cut:]
         assert max(abs(a - b) for a, b in zip(g.logprobs, expected)) < 1e-4
         # ...and the other version would have scored the tokens differently
