@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relax.testing import tiny_run  # noqa: E402
 
-ARMS = {"k=0": "0", "k=1": "1", "k=2": "2", "k=4": "4", "auto": "auto"}
+ARMS = {"k0": "0", "k1": "1", "k2": "2", "k4": "4", "auto": "auto"}
 
 
 def one_run(root: Path, name: str, bound: str, steps: int, skip: int) -> dict:

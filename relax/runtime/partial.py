@@ -10,6 +10,12 @@ of them is generated. Whenever a newer policy version is published the generatio
 a token boundary, the weights are swapped, and every unfinished sample continues under the new
 policy from its tokens so far (its prefix is read again by the new weights).
 
+The same pause keeps the batch dense: an engine that runs a batch to its longest row (``hf``'s
+``generate``) keeps computing the rows that ended, so once most rows of a call have ended
+(``COMPACT_DONE``, after ``COMPACT_MIN_TOKENS`` tokens) the call pauses and goes on with the
+unfinished rows only (their prefixes are read again, one pass, far cheaper than carrying the ended
+rows through the tail).
+
 So a sample can hold tokens of several policy versions. Each token keeps the version that chose
 it and its behaviour log-prob under that version (``Generation.token_versions``, ``logprobs``),
 and a sample's staleness counts from its *oldest* token: a draft of step ``s + 1`` is started only
@@ -32,6 +38,12 @@ from typing import Any, Callable
 from relax.contracts import Generation, TokenPrompt
 
 
+#: A call pauses to drop its ended rows once this share of its rows has ended...
+COMPACT_DONE = 0.5
+#: ...and it has generated at least this many tokens (a pause costs a pass over the prefixes).
+COMPACT_MIN_TOKENS = 4
+
+
 @dataclass
 class Draft:
     """One sample being generated, possibly over several calls and policy versions."""
@@ -47,7 +59,9 @@ class Draft:
     finished: bool = False
     """It ended with a stop token."""
     calls: int = 0
-    """Generation calls that extended it (more than one: it was paused and continued)."""
+    """Generation calls that extended it."""
+    interrupted: bool = False
+    """Paused unfinished by a weight swap or a step boundary, and continued later."""
 
     @property
     def done(self) -> bool:
@@ -85,7 +99,8 @@ class PartialStats:
 
     partial_samples: int = 0
     partial_interrupted: int = 0
-    """Samples whose generation was paused and continued (a weight swap or a step boundary)."""
+    """Samples whose generation was paused and continued by a weight swap or a step boundary
+    (not the pauses that drop ended rows)."""
     partial_versions: int = 0
     """Sum over the samples of the distinct policy versions of their tokens."""
     partial_calls: int = 0
@@ -129,9 +144,16 @@ class PartialRollouts:
                 ahead = new_drafts(next_prompts(), n, budget)
             rows = active + [d for d in ahead or () if not d.done]
             mine = len(active)
+            asked = [0]
+            interrupting = [False]
 
-            def pause(done: list[bool]) -> bool:  # this step's samples all ended, or new weights are out
-                return all(done[:mine]) or self.newer()
+            def pause(done: list[bool]) -> bool:
+                """This step's samples all ended, new weights are out, or most rows ended (compact)."""
+                asked[0] += 1
+                if all(done[:mine]) or self.newer():
+                    interrupting[0] = True
+                    return True
+                return asked[0] >= COMPACT_MIN_TOKENS and sum(done) >= COMPACT_DONE * len(done) and not all(done)
 
             version = self.backend.version
             generations = self.backend.generate_tokens([d.prompt() for d in rows], sampling, seed + call, pause=pause)
@@ -140,12 +162,13 @@ class PartialRollouts:
                                    "prompts; a rollout backend answers every prompt")
             for draft, generation in zip(rows, generations):
                 draft.extend(generation, version)
+                draft.interrupted |= interrupting[0] and not draft.done
             call += 1
         if ahead is not None:
             self.ahead = (step + 1, ahead)
         stats.partial_calls = call
         stats.partial_samples = len(own)
-        stats.partial_interrupted = sum(d.calls > 1 for d in own)
+        stats.partial_interrupted = sum(d.interrupted for d in own)
         stats.partial_versions = sum(len(set(d.versions)) for d in own)
         decode = self._decoder()
         return [d.generation(decode) for d in own], stats
