@@ -2,7 +2,9 @@
 (separate mode), side by side in one invocation.
 
 Each arm is a whole ``relax run`` of ``tiny-cpu`` (model built once, cached); the arms take turns
-run by run (the order rotates) so a slow moment of the machine is spread over all of them.
+run by run (the order rotates) so a slow moment of the machine is spread over all of them. Run r
+of every arm uses ``seed=r`` (data order and sampling), so the spread of an arm's rewards over its
+runs is the noise its reward is compared within.
 Printed per arm (medians over runs): steady steps per second (after the first few steps), the
 final reward (mean ``reward/mean`` of the last ten steps) with its spread over runs, the mean
 ``offpolicy/kl`` and, for auto, the bounds it chose. Then auto's steps per second against the
@@ -28,8 +30,8 @@ from relax.testing import tiny_run  # noqa: E402
 ARMS = {"k0": "0", "k1": "1", "k2": "2", "k4": "4", "auto": "auto"}
 
 
-def one_run(root: Path, name: str, bound: str, steps: int, skip: int) -> dict:
-    code, rows, printed = tiny_run(root, name, "tracing.exporter=none", "trainer.checkpoint_every=0",
+def one_run(root: Path, name: str, bound: str, steps: int, skip: int, seed: int) -> dict:
+    code, rows, printed = tiny_run(root, name, "tracing.exporter=none", "trainer.checkpoint_every=0", f"seed={seed}",
                                    f"trainer.steps={steps}", "placement.mode=separate",
                                    f"async_policy.max_staleness={bound}")
     if code != 0:
@@ -54,7 +56,7 @@ def main() -> None:
         for run in range(args.runs):
             order = names[run % len(names):] + names[:run % len(names)]
             for arm in order:
-                got = one_run(Path(tmp), f"{arm}-{run}", ARMS[arm], args.steps, args.skip)
+                got = one_run(Path(tmp), f"{arm}-{run}", ARMS[arm], args.steps, args.skip, seed=run)
                 results[arm].append(got)
                 print(f"  run {run} {arm:5s} {got['steps_per_s']:6.2f} steps/s  reward {got['final_reward']:.3f}  "
                       f"offpolicy/kl {got['offpolicy_kl']:.4f}", flush=True)

@@ -6,7 +6,8 @@ The ``tiny-longtail-cpu`` preset's responses are mostly 3-5 tokens with a tenth 
 batch runs as long as its longest sample; with them the next step's samples are generated beside
 that tail (and weights are swapped mid-generation), so a step's generation carries on where the
 previous one paused. Each arm is a whole ``relax run`` of the preset (model built once, cached);
-the arms alternate run by run so a slow moment of the machine falls on both.
+the arms alternate run by run so a slow moment of the machine falls on both, and run r of both
+uses ``seed=r``, so the spread of the rewards over runs is the noise they are compared within.
 
 Printed per arm (medians over runs): steady s/step (median over the steps after the first few),
 steps per second, the final reward (mean ``reward/mean`` of the last ten steps), the mean
@@ -34,6 +35,7 @@ PRESET = "tiny-longtail-cpu"
 
 
 def one_run(root: Path, name: str, overrides: list[str], skip: int) -> dict[str, float]:
+    """One run of the preset; its steady pace, final reward and shape."""
     started = time.perf_counter()
     code, rows, printed = tiny_run(root, name, "tracing.exporter=none", "trainer.checkpoint_every=0", *overrides,
                                    preset=PRESET)
@@ -62,7 +64,7 @@ def main() -> None:
         for run in range(args.runs):
             order = list(arms) if run % 2 == 0 else list(reversed(arms))
             for arm in order:
-                got = one_run(Path(tmp), f"{arm}-{run}", [arms[arm], f"trainer.steps={args.steps}",
+                got = one_run(Path(tmp), f"{arm}-{run}", [arms[arm], f"trainer.steps={args.steps}", f"seed={run}",
                                                           f"async_policy.max_staleness={args.staleness}"], args.skip)
                 results[arm].append(got)
                 print(f"  run {run} {arm:8s} {got['s_per_step']:.3f} s/step  {got['steps_per_s']:.2f} steps/s  "

@@ -10,8 +10,12 @@ trained. The controller reads both off each step's metrics row, once the step is
 - **who waits**: ``time/data_wait_s / time/step_s``, the share of the step the actor waited for
   rows: the rollout is the bottleneck when it is above ``auto.wait_frac``.
 
-The rule, applied after each step to the drift smoothed over steps (an exponential mean, half
-weight to the newest step: one step's figure swings by several times on small batches):
+A bound is judged by the steps admitted under it only (``staleness/bound`` of the row): after a
+change, the steps already admitted under the old bound are still trained for a while, and their
+drift says nothing about the new one (counting them would narrow a bound that was just narrowed,
+down to 0). The rule, applied after each step admitted under the current bound, to the drift of
+those steps smoothed (an exponential mean, half weight to the newest step: one step's figure
+swings by several times on small batches):
 
 - drift above ``auto.kl_budget``: narrow by one (at once; never below 0);
 - else, once the bound was held ``auto.hold_steps`` steps, drift at most half the budget and the
@@ -51,6 +55,8 @@ class StalenessController:
     def update(self, row: dict[str, Any]) -> int:
         """The bound after a trained step's metrics ``row``."""
         spec = self.spec
+        if row.get("staleness/bound", self.bound) != self.bound:
+            return self.bound  # admitted under an earlier bound: it does not judge this one
         self._held += 1
         measured = row.get("offpolicy/kl")
         if measured is not None:
@@ -59,8 +65,12 @@ class StalenessController:
         step_s = float(row.get("time/step_s") or 0.0)
         waited = float(row.get("time/data_wait_s") or 0.0) / step_s if step_s > 0 else 0.0
         if drift is not None and drift > spec.kl_budget:
-            self.bound, self._held = max(self.bound - 1, 0), 0  # the hold counts from the last excess
+            self._change(max(self.bound - 1, 0))
         elif (self._held >= spec.hold_steps and drift is not None and drift <= spec.kl_budget / 2
               and waited > spec.wait_frac and self.bound < spec.max):
-            self.bound, self._held = self.bound + 1, 0
+            self._change(self.bound + 1)
         return self.bound
+
+    def _change(self, bound: int) -> None:
+        """A new bound (or the same one after an excess at 0): its own steps judge it afresh."""
+        self.bound, self._held, self.drift = bound, 0, None

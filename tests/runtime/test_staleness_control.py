@@ -6,8 +6,10 @@ from relax.runtime.staleness import StalenessController
 from relax.spec.models import AutoStalenessSpec
 
 
-def row(kl: float | None, wait_s: float, step_s: float = 1.0) -> dict:
+def row(kl: float | None, wait_s: float, step_s: float = 1.0, bound: int | None = None) -> dict:
     out = {"time/step_s": step_s, "time/data_wait_s": wait_s}
+    if bound is not None:
+        out["staleness/bound"] = bound
     if kl is not None:
         out["offpolicy/kl"] = kl
     return out
@@ -31,10 +33,18 @@ def test_it_keeps_the_bound_when_the_trainer_is_the_bottleneck_or_the_drift_is_n
 
 def test_it_narrows_at_once_when_the_drift_exceeds_the_budget_never_below_zero():
     control = StalenessController(AutoStalenessSpec(start=2, max=4, kl_budget=0.02, hold_steps=3))
-    assert [control.update(row(0.05, wait_s=0.5)) for _ in range(4)] == [1, 0, 0, 0]
-    # ...and widens again only once the smoothed drift (0.0275, 0.016, 0.0106, 0.0078, ...) is under
-    # half the budget and the bound was held three steps since the last excess
-    assert [control.update(row(0.005, wait_s=0.5)) for _ in range(5)] == [0, 0, 0, 1, 1]
+    # each narrowing is judged afresh by the steps admitted under the new bound
+    assert [control.update(row(0.05, wait_s=0.5, bound=b)) for b in (2, 1, 0, 0)] == [1, 0, 0, 0]
+    # ...and widens again once three steps of its own stay under half the budget
+    assert [control.update(row(0.005, wait_s=0.5, bound=0)) for _ in range(4)] == [0, 0, 1, 1]
+
+
+def test_steps_admitted_under_an_earlier_bound_do_not_judge_the_new_one():
+    control = StalenessController(AutoStalenessSpec(start=3, max=4, kl_budget=0.02, hold_steps=1))
+    assert control.update(row(0.05, wait_s=0.5, bound=3)) == 2
+    # three more steps of bound 3 were in flight: their drift is high, but 2 is not narrowed for it
+    assert [control.update(row(0.06, wait_s=0.5, bound=3)) for _ in range(3)] == [2, 2, 2]
+    assert control.update(row(0.004, wait_s=0.0, bound=2)) == 2
 
 
 def test_one_noisy_step_does_not_narrow_a_bound_whose_drift_is_small_on_average():
