@@ -205,3 +205,15 @@ def test_completion_answers_the_shell(tmp_path):
            "_ARGCOMPLETE_STDOUT_FILENAME": str(answer)}
     subprocess.run([sys.executable, "-m", "relax"], env=env, cwd=ROOT, timeout=120, capture_output=True)
     assert sorted(answer.read_text().split()) == ["plan", "plugins"]
+
+
+def test_spec_reference_marks_required_only_what_a_spec_must_give():
+    """A key with a default (a value, or a section built from its own defaults) is optional."""
+    from relax.spec.models import RunSpec
+
+    text = spec_reference_markdown()
+    top = text.split("## `spec`", 1)[1].split("\n## ", 1)[0]
+    required = {line.split("`")[1] for line in top.splitlines() if "| **required** |" in line}
+    assert required == {k for k, f in RunSpec.model_fields.items() if f.is_required()} == {"name"}
+    assert "| `trainer` | TrainerSpec | optional (its defaults below) |" in top
+    assert "`required`" not in text
