@@ -122,6 +122,7 @@ class Controller(Deployment, Supervision, Elastic):
                 late.append(self.scale_requests.get())
             for item in late:
                 self._answer(item, {"error": "the run ended before the change could be applied"})
+            self.progress.close()  # the live bar ends before any closing line is printed
             if control is not None:
                 control.close()
             if self.placement is not None:

@@ -413,7 +413,8 @@ class ForwardRole(Section):
     """A role that only computes log-probs (reference, actor_fwd)."""
 
     backend: str = "torch"
-    """A ``relax.trainer`` plugin used in forward-only mode."""
+    """A ``relax.trainer`` plugin: it trains the actor and the critic, and only computes log-probs
+    (forward passes) for the reference and actor_fwd."""
     gpus: int = Field(0, ge=0)
     """GPUs of this role (in its own pool in separate mode, shared with the actor otherwise)."""
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
