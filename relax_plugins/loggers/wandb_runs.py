@@ -78,4 +78,9 @@ class WandbLogger:
         self.run.log({**scalars, **texts, "step": step})
 
     def close(self, status: LoggerStatus) -> None:
+        import wandb
+
         self.run.finish(exit_code=0 if status == "finished" else 1)
+        # finish returns before wandb's service has written the run file out; stopping the service
+        # waits for it, so the folder is complete (for wandb sync, or a reader) once close returns.
+        wandb.teardown()
