@@ -11,12 +11,10 @@ import math
 import struct
 import sys
 import tomllib
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
-import relax.registry
 from relax.contracts import PluginKind, RunInfo
 from relax.registry import PluginEntry, check_contract
 from relax_plugins.loggers.mlflow_runs import MlflowLogger
@@ -52,25 +50,6 @@ def _drive(logger, status="finished"):
     for row in ROWS:
         logger.log(row["step"], dict(row))
     logger.close(status)
-
-
-@pytest.fixture
-def loggers_registered(tmp_path_factory, monkeypatch):
-    """The built-in loggers as entry points. An editable install made before they existed has no
-    ``relax.loggers`` group in its metadata; then a distribution holding this checkout's
-    pyproject.toml entries for that group goes first on sys.path, and the registry starts afresh."""
-    if not entry_points().select(group="relax.loggers"):
-        declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["relax.loggers"]
-        info = tmp_path_factory.mktemp("dist") / "relax_loggers_checkout-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: relax-loggers-checkout\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text(
-            "[relax.loggers]\n" + "".join(f"{n} = {t}\n" for n, t in declared.items()))
-        monkeypatch.syspath_prepend(str(info.parent))
-        importlib.invalidate_caches()
-    monkeypatch.setattr(relax.registry, "_default", None)
-    yield
-    relax.registry._default = None
 
 
 # -- the contract and the row --------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_export_every_reaches_the_run_settings():
 
 # -- one real run: the trackers read back, the exports loaded with transformers -----------------
 
-from tests.plugins.test_loggers import loggers_registered, read_wandb_records  # noqa: E402,F401
+from tests.plugins.test_loggers import read_wandb_records  # noqa: E402
 
 
 def _weights(folder: Path) -> dict:

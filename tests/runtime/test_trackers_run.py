@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 
-from tests.plugins.test_loggers import loggers_registered  # noqa: F401
-
-
 def test_a_logger_that_cannot_start_fails_the_run_before_any_worker(tmp_path, loggers_registered, capsys):
     from relax.runtime.launch import run_spec
     from relax.testing import local_ray, tiny_spec
