@@ -365,6 +365,7 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
     return RunSettings(
         name=spec.name, seed=spec.seed, steps=spec.trainer.steps, output_dir=spec.trainer.output_dir,
         checkpoint_every=spec.trainer.checkpoint_every, keep_checkpoints=spec.trainer.keep_checkpoints,
+        export_every=spec.trainer.export_every or 0,
         prompts_per_step=algo.prompts_per_step, samples_per_prompt=algo.samples_per_prompt,
         max_staleness=spec.async_policy.staleness_cap, dynamic_sampling=algo.dynamic_sampling.enabled,
         auto_staleness=(spec.async_policy.auto.model_copy(deep=True)

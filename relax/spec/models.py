@@ -248,6 +248,15 @@ class RewardSpec(Section):
         return self.id or self.name
 
 
+class LoggerSpec(Section):
+    """One experiment tracker (a ``relax.loggers`` plugin) that receives every metrics row."""
+
+    name: str
+    """A ``relax.loggers`` plugin name: ``tensorboard``, ``wandb`` and ``mlflow`` are built in."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the logger plugin, checked against its ``Config``."""
+
+
 class ParallelSpec(Section):
     """Model parallelism of a role; data parallel is derived (GPUs / (tp x pp x cp))."""
 
@@ -630,6 +639,11 @@ class TrainerSpec(Section):
     """Write a checkpoint every this many steps; 0 writes only the final one."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted)."""
+    export_every: int | None = Field(None, ge=0)
+    """Write a Hugging Face export (``<output_dir>/export/step-<n>/``: ``save_pretrained`` layout
+    with the tokenizer or processor, no optimizer state) every this many steps and after the last
+    step. null or 0: no export (checkpoints still load with ``AutoModelForCausalLM`` from
+    ``checkpoints/step-<n>/trainer``)."""
 
 
 class RoleFaultPolicy(Section):
@@ -738,6 +752,9 @@ class RunSpec(Section):
     """The training loop."""
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     """Tracing."""
+    logging: list[LoggerSpec] = Field(default_factory=list)
+    """Experiment trackers (``relax.loggers`` plugins): each gets every metrics row the run writes
+    to ``metrics.jsonl``. Empty: ``metrics.jsonl`` only."""
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     """Failure detection and recovery."""
 

@@ -119,6 +119,8 @@ def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any]
     agent = spec.roles.rollout.agent
     if agent is not None and agent.environment is not None:
         yield PluginKind.environments, agent.environment, agent.environment_options, "roles.rollout.agent"
+    for i, logger in enumerate(spec.logging):
+        yield PluginKind.loggers, logger.name, logger.options, f"logging[{i}]"
 
 
 def _name_path(kind: PluginKind, path: str) -> str:
@@ -131,6 +133,7 @@ def _name_path(kind: PluginKind, path: str) -> str:
         PluginKind.losses: "loss",
         PluginKind.modalities: "",
         PluginKind.environments: "environment",
+        PluginKind.loggers: "name",
     }[kind]
     return f"{path}.{suffix}" if suffix else path
 
@@ -147,7 +150,7 @@ def _options_path(kind: PluginKind, path: str) -> str:
     return f"{path}.options"
 
 
-@rule("rewards", "data", "roles", "algorithm", per_section=True)
+@rule("rewards", "data", "roles", "algorithm", "logging", per_section=True)
 def check_plugins(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Every named plugin is installed, loads, and accepts its options."""
     for kind, name, options, path in plugin_uses(spec):
