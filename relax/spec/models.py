@@ -10,9 +10,9 @@ The names of the sections and fields are the user-facing contract of ``SPEC.md``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 Modality = Literal["text", "image", "audio", "video"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -28,8 +28,14 @@ WeightSync = Literal["auto", "object_store", "collective"]
 ToolCallFormat = Literal["hermes"]
 TruncatedPolicy = Literal["score", "mask"]
 
-#: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
-PluginOptions = dict[str, Any]
+
+def _none_is_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+#: Plugin options are free-form here and validated by the plugin's own ``Config`` model. ``null``
+#: means none (``{}``), so a file can clear the options its ``extends`` parent gave.
+PluginOptions = Annotated[dict[str, Any], BeforeValidator(_none_is_empty)]
 
 
 class Section(BaseModel):
