@@ -4,18 +4,23 @@ The forms (parsed by hydra-core's own override parser, so values read exactly as
 ``8`` is an int, ``1e-3`` a float, ``null`` None, ``[a,b]`` a list, ``{}`` an empty mapping,
 ``'8'`` a string):
 
-- ``key=value`` changes a key: one the spec file (or its ``extends`` chain) sets, one the typed
-  spec knows (``trainer.steps`` when the file leaves it to its default), or one inside a plugin's
-  free-form ``options`` mapping (the plugin's own ``Config`` checks those names later). Any other
-  key is refused with a "did you mean" and the ``+key=value`` spelling, as Hydra refuses it.
+- ``key=value`` sets a key, whether or not the file (or its ``extends`` chain) sets it: the typed
+  spec has a default for every key a file leaves out, so unlike Hydra a key need not be in the file.
+  A key the spec does not know (``trainer.stpes``) is named by validation, with a "did you mean",
+  together with every other problem of the spec.
 - ``+key=value`` adds a key the file does not set; refused when it is set (write ``key=value``).
 - ``++key=value`` sets a key whether or not the file sets it.
 - ``~key`` deletes a key (``~key=value``: only when it holds that value); the typed default applies.
 - ``key=null`` sets None: for a plugin's ``options`` that means none (``{}``).
 
+An override that names another plugin (``data.train.source=my.jsonl``, ``roles.rollout.backend=vllm``)
+drops the options beside it, which were the other plugin's, as a file in an ``extends`` chain does;
+options given by later overrides apply to the new plugin.
+
 A value Hydra reads as a number or boolean (``name=2024``) lands on a field that takes text as the
 text typed, so a string option never needs ``'"8"'``: the target field's type decides, after the
-grammar. Sweeps (``a=1,2``), packages (``a@pkg=1``) and ``hydra.*`` keys have no meaning for a
+grammar. A value made of characters the grammar has no token for (``~/data.jsonl``, ``a#b``) and
+no structure (brackets, quotes, commas) is the text typed, where Hydra would refuse it. Sweeps (``a=1,2``), packages (``a@pkg=1``) and ``hydra.*`` keys have no meaning for a
 single run and are refused.
 
 Hydra's parser is imported only when there are overrides (importing ``hydra`` costs ~0.4 s, which
@@ -24,7 +29,6 @@ Hydra's parser is imported only when there are overrides (importing ``hydra`` co
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from dataclasses import dataclass
@@ -40,6 +44,9 @@ from relax.spec.errors import SpecError, SpecIssue
 GRAMMAR = "a.b.c=value, +a.b.c=value (add), ++a.b.c=value (add or change), ~a.b.c (delete) or a.b.c=null"
 
 _MISSING = object()
+#: Characters that give a value structure in Hydra's grammar; a value the grammar refuses that holds
+#: none of them is taken as the text typed (``model.path=~/models/x``), one that holds them is an error.
+_STRUCTURE = set("[]{}(),'\"\\= ")
 
 
 @dataclass(frozen=True)
@@ -78,10 +85,19 @@ def parse_override(item: str) -> Override:
         raise _malformed(item, "there is no '='")
     if not key_part or any(not part for part in key_part.split(".")):
         raise _malformed(item, "the key is empty or has an empty part")
+    parser = OverridesParser.create()
+    _, sep, text = stripped.partition("=")
+    plain_text = False
     try:
-        parsed = OverridesParser.create().parse_override(stripped)
+        parsed = parser.parse_override(stripped)
     except HydraException as exc:
-        raise _malformed(item, str(exc).splitlines()[0]) from None
+        if not sep or not text or _STRUCTURE & set(text):
+            raise _malformed(item, str(exc).splitlines()[0]) from None
+        try:  # a value of characters the grammar has no token for (~/data.jsonl): the text typed
+            parsed = parser.parse_override(f"{stripped.partition('=')[0]}=x")
+        except HydraException:
+            raise _malformed(item, str(exc).splitlines()[0]) from None
+        plain_text = True
     key = parsed.key_or_group
     if parsed.package is not None:
         raise _malformed(item, "'@package' has no meaning in a run spec")
@@ -92,14 +108,14 @@ def parse_override(item: str) -> Override:
     if key.split(".")[0] == "hydra":
         raise SpecError([SpecIssue(key, f"override '{item}': a run spec has no hydra section",
                                    "remove the override; Relax uses only Hydra's override grammar")])
-    _, sep, text = stripped.partition("=")
     if parsed.is_sweep_override():
         raise SpecError([SpecIssue(key, f"override '{item}' is a sweep in Hydra's grammar (several values)",
                                    f"give one value; for a list write {key}=[{text}], for text with a comma "
                                    f"quote it: {key}='{text}'")])
     op = "delete" if parsed.is_delete() else "force_add" if parsed.is_force_add() else \
         "add" if parsed.is_add() else "change"
-    return Override(op=op, key=key, value=parsed.value() if sep else None, text=text if sep else None, item=item)
+    value = text.strip() if plain_text else parsed.value() if sep else None
+    return Override(op=op, key=key, value=value, text=text if sep else None, item=item)
 
 
 # --- the typed spec's shape ------------------------------------------------------------------------
@@ -148,23 +164,6 @@ def spec_field(key: str) -> Any:
         if annotation is _MISSING or annotation is FREE:
             return annotation
     return annotation
-
-
-def _known_keys(key: str) -> list[str]:
-    """The keys the typed spec has beside ``key`` (same parent), for a "did you mean"."""
-    parent, _, _ = key.rpartition(".")
-    annotation = spec_field(parent) if parent else _root()
-    names: list[str] = []
-    for member in _members(annotation):
-        if isinstance(member, type) and issubclass(member, BaseModel):
-            names += [f"{parent}.{name}" if parent else name for name in member.model_fields]
-    return names
-
-
-def _root() -> Any:
-    from relax.spec.models import RunSpec
-
-    return RunSpec
 
 
 def _admits(annotation: Any, kind: type) -> bool:
@@ -227,6 +226,21 @@ def _delete(cfg: DictConfig, override: Override) -> None:
         del parent[last]
 
 
+def _drop_other_plugins_options(cfg: DictConfig, key: str, value: Any) -> None:
+    """An override naming another plugin (``data.train.source=my.jsonl``) drops the options beside
+    it, as a child file in an ``extends`` chain does (``relax.config.loader.PLUGIN_OPTION_KEYS``):
+    they were the other plugin's. Options given by a later override still apply."""
+    from relax.config.loader import PLUGIN_OPTION_KEYS
+
+    parent_key, _, last = key.rpartition(".")
+    parent = _present(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig):
+        return
+    for name_key, options_key in PLUGIN_OPTION_KEYS:
+        if last == name_key and options_key in parent and _plain(parent._get_node(name_key)) != value:
+            del parent[options_key]
+
+
 def apply_override(cfg: DictConfig, override: Override) -> None:
     """Apply one override to the loaded tree, in place (``SpecError`` naming it when it cannot)."""
     key = override.key
@@ -238,13 +252,10 @@ def apply_override(cfg: DictConfig, override: Override) -> None:
         raise SpecError([SpecIssue(key, f"override '{override.item}': the spec already sets {key}; '+' adds "
                                         "a key the spec does not set", f"write {key}=... to change it "
                                         f"(or ++{key}=... to set it either way)")])
-    if override.op == "change" and not present and spec_field(key) is _MISSING:
-        close = difflib.get_close_matches(key, _known_keys(key), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise SpecError([SpecIssue(key, f"override '{override.item}': the spec has no key {key}",
-                                   f"{hint}to add a key anyway write +{override.item.strip()}")])
+    value = typed_value(override)
+    _drop_other_plugins_options(cfg, key, value)
     try:
-        OmegaConf.update(cfg, key, typed_value(override), merge=False, force_add=True)
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     except (OmegaConfBaseException, IndexError, ValueError, TypeError) as exc:
         raise SpecError([SpecIssue(key, f"override cannot be applied: {exc}".splitlines()[0],
                                    "check the path exists in the spec (lists take an index: rewards.0.weight)")]) from None

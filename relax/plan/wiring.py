@@ -41,6 +41,7 @@ from relax.roles import (
     Column,
     Role,
 )
+from relax.spec.data_files import data_path
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
 
@@ -132,8 +133,8 @@ def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
     """The training data set; a file path is taken relative to the spec's folder."""
     name, implied = dataset_plugin(spec.data.train.source)
     options = {**implied, **spec.data.train.options}
-    if "path" in implied and not Path(options["path"]).is_absolute():
-        options["path"] = str(base_dir / options["path"])
+    if "path" in implied:  # "~" expanded, a relative path from the spec's folder, as validation reads it
+        options["path"] = str(data_path(options["path"], base_dir))
     if "path" in implied:  # a data file: its rows' prompts are checked to be text as it is read
         options.setdefault("prompt_key", spec.data.prompt_key)
     return _use(PluginKind.datasets, name, options)

@@ -28,4 +28,4 @@ def test_config_prints_the_resolved_spec_with_every_default(relax, tmp_path):
 def test_config_of_a_bad_override_exits_2_naming_it(relax):
     result = relax("config", "tiny-cpu", "data.prompt_kye=q")
     assert result.returncode == 2
-    assert "did you mean data.prompt_key?" in result.stderr
+    assert "data.prompt_kye: unknown key" in result.stderr and "prompt_key" in result.stderr

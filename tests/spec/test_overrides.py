@@ -63,12 +63,13 @@ def test_null_options_mean_none(tmp_path):
     assert spec.data.train.options == {} and spec.model.options == {}
 
 
-def test_an_unknown_key_needs_plus_and_gets_a_suggestion(tmp_path):
-    error = load_error(spec_file(tmp_path), ["trainer.stpes=5"])
-    [issue] = error.issues
-    assert issue.path == "trainer.stpes"
-    assert "did you mean trainer.steps?" in issue.remedy
-    assert "+trainer.stpes=5" in issue.remedy
+def test_an_unknown_key_is_named_by_validation_with_the_other_problems(tmp_path):
+    raw, base = load_spec_dict("tiny-cpu", ["trainer.stpes=5", "seed=-1"])
+    with pytest.raises(SpecError) as caught:
+        validate_spec(raw, base_dir=base)
+    issues = {i.path: i for i in caught.value.issues}
+    assert set(issues) == {"trainer.stpes", "seed"}
+    assert "steps" in issues["trainer.stpes"].remedy
 
 
 def test_keys_inside_plugin_options_need_no_plus(tmp_path):
@@ -111,3 +112,19 @@ def test_hydra_is_imported_only_for_overrides():
             "print('hydra' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_value_the_grammar_has_no_token_for_is_the_text_typed(tmp_path):
+    raw, _ = load_spec_dict(spec_file(tmp_path), ["model.path=~/models/x", "name=a#b"])
+    assert raw["model"]["path"] == "~/models/x"
+    assert raw["name"] == "a#b"
+    [issue] = load_error(spec_file(tmp_path), ["model.path=~/x,y"]).issues  # structure: still an error
+    assert "token recognition error" in issue.message
+
+
+def test_an_override_naming_another_plugin_drops_the_old_plugins_options(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    raw, _ = load_spec_dict("tiny-cpu", [f"data.train.source={tmp_path / 'd.jsonl'}", "+data.train.options.limit=1"])
+    assert raw["data"]["train"]["options"] == {"limit": 1}  # arithmetic's {size: 4096} is gone
+    raw, _ = load_spec_dict("tiny-cpu", ["data.train.source=synthetic:arithmetic"])
+    assert raw["data"]["train"]["options"] == {"size": 4096}  # the same plugin keeps them
