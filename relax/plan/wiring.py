@@ -145,12 +145,13 @@ def reward_uses(spec: RunSpec) -> list[RewardUse]:
                       timeout_s=r.timeout_s, on_error=r.on_error, max_error_frac=r.max_error_frac, always=r.always) for r in spec.rewards]
 
 
-def rollout_use(spec: RunSpec, threads: int | None = None) -> PluginUse:
+def rollout_use(spec: RunSpec, threads: int | None = None, base_dir: Path | None = None) -> PluginUse:
     """The rollout backend, its options (with this worker's torch threads) and its context; the
-    model is as ``model.path`` names it (the worker puts in the folder it was materialized to)."""
+    model is as ``model.path`` names it (the worker puts in the folder it was materialized to).
+    ``base_dir``: the spec's folder (a relative ``data.chat_template`` is taken from it)."""
     role = spec.roles.rollout
     return _use(PluginKind.rollout, role.backend, _backend_options(role.options, threads),
-                rollout_context(spec, spec.model.path))
+                rollout_context(spec, spec.model.path, base_dir=base_dir))
 
 
 def trainer_use(spec: RunSpec, role: str, threads: int | None = None) -> PluginUse:
@@ -227,7 +228,7 @@ class _WorkerWiring:
                            if agent is not None and agent.environment is not None else [])
             wired[Role.rollout] = RoleWiring(
                 role=Role.rollout, task=Role.rollout,
-                plugins=[rollout_use(spec, self.threads),
+                plugins=[rollout_use(spec, self.threads, self.base_dir),
                          dataset_use(spec, self.base_dir), *media, *environment],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])

@@ -104,6 +104,14 @@ class DataSpec(Section):
     """Shuffle prompts each epoch with the run's seed (the order is reproducible and resumable)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt in tokens; longer prompts are truncated from the left. Used for memory plans."""
+    chat_template: str = "auto"
+    """How a text prompt becomes token ids: ``auto`` renders it as one user message through the
+    tokenizer's own chat template when it has one (with the generation prompt, as
+    ``apply_chat_template(..., add_generation_prompt=True)``) and tokenizes it raw otherwise;
+    ``none`` tokenizes it raw; any other value is a Jinja template file (``~`` expanded, relative to
+    the spec's folder) used instead of the tokenizer's. The rollout renders it, and the trainer
+    trains on exactly the ids the rollout generated from. Media prompts always go through the
+    model processor's template; agents render their own conversations."""
     reward_key: str | None = None
     """Column naming, per sample, the reward(s) that score it (a reward's ``id`` or ``name``, or a
     list of them); samples without a value are scored by every reward. null: every reward scores

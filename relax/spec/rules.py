@@ -883,6 +883,37 @@ def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
 
 #: What a spec means: ``relax plan`` lays out a spec that passes them, in order (``check_plugins``
 #: first: the rules after it consult the plugin classes it loads).
+#: A chat template file larger than this is not a template (a model's own are a few KiB).
+MAX_CHAT_TEMPLATE_BYTES = 1024 * 1024
+
+
+@rule("data")
+def check_chat_template(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """A ``data.chat_template`` file exists (``~`` expanded, relative to the spec's folder), is
+    small UTF-8 text and parses as a Jinja template (parsed, never rendered, here)."""
+    template = spec.data.chat_template
+    if template in ("auto", "none"):
+        return
+    path = data_path(template, ctx.base_dir)
+    if not path.is_file():
+        yield SpecIssue("data.chat_template", f"'{template}' is neither auto, none nor an existing file "
+                        f"(looked at {path})", "give auto, none, or a Jinja template file relative to the spec's folder")
+        return
+    if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+        yield SpecIssue("data.chat_template", f"{path} is larger than {MAX_CHAT_TEMPLATE_BYTES} bytes",
+                        "give a chat template file (a Jinja template of a few KiB)")
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        yield SpecIssue("data.chat_template", f"{path} is not UTF-8 text", "save the template as UTF-8")
+    except jinja2.TemplateSyntaxError as exc:
+        yield SpecIssue("data.chat_template", f"{path}: line {exc.lineno}: not a valid Jinja template ({exc.message})",
+                        "fix the template's syntax")
+
+
 RULES: tuple[Rule, ...] = (
     check_plugins,
     check_algorithm,
@@ -891,6 +922,7 @@ RULES: tuple[Rule, ...] = (
     check_parallel,
     check_modalities,
     check_data_columns,
+    check_chat_template,
     check_media_files,
     check_rewards,
     check_rollout_scaling,

@@ -121,3 +121,14 @@ def test_a_mistyped_folder_that_looks_like_a_hub_id_is_refused(tmp_path):
     issue = issues_of(raw, tmp_path)["model.path"]
     assert f"no such folder: {tmp_path / 'models' / 'my-model'}" in issue.message
     assert "Relax never downloads" in issue.message
+
+
+def test_a_chat_template_file_is_checked_before_the_run(tmp_path):
+    raw, _ = load_spec_dict("tiny-cpu", ["data.chat_template=chat.jinja"])
+    issue = issues_of(raw, tmp_path)["data.chat_template"]
+    assert "neither auto, none nor an existing file" in issue.message and str(tmp_path / "chat.jinja") in issue.message
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }\n")
+    issue = issues_of(raw, tmp_path)["data.chat_template"]
+    assert "line 1: not a valid Jinja template" in issue.message
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert validate_spec(raw, base_dir=tmp_path, runnable=True).data.chat_template == "chat.jinja"
