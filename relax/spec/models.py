@@ -67,12 +67,15 @@ class ModelSpec(Section):
 
 
 class DataSource(Section):
-    """A data set: a ``relax.datasets`` plugin name or a ``.jsonl``/``.parquet`` path."""
+    """A data set: a ``relax.datasets`` plugin name or a local file or folder (docs/config.md)."""
 
     source: str
-    """A dataset plugin name (``synthetic:arithmetic``) or a path ending in ``.jsonl``/``.parquet``."""
+    """A dataset plugin name (``synthetic:arithmetic``) or a path (``~`` expanded, relative to the
+    spec's folder): a ``.jsonl``, ``.json``, ``.csv``, ``.parquet`` or ``.arrow`` file, or a folder
+    written by ``Dataset.save_to_disk``."""
     options: PluginOptions = Field(default_factory=dict)
-    """Options of the dataset plugin, checked against its ``Config``."""
+    """Options of the dataset plugin, checked against its ``Config``; null means none. A file in an
+    ``extends`` chain that names another source drops its parent's options."""
 
 
 class DataSpec(Section):
