@@ -38,8 +38,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel
 
+from relax.config.bounded_yaml import LimitExceeded, Limits, check_json_shape
 from relax.spec.errors import SpecError, SpecIssue
 
+#: An override longer than this is not a command-line value (the spec file holds large ones).
+MAX_OVERRIDE_CHARS = 64 * 1024
 #: What every form of an override looks like, for messages about a malformed one.
 GRAMMAR = "a.b.c=value, +a.b.c=value (add), ++a.b.c=value (add or change), ~a.b.c (delete) or a.b.c=null"
 
@@ -88,8 +91,15 @@ def parse_override(item: str) -> Override:
     parser = OverridesParser.create()
     _, sep, text = stripped.partition("=")
     plain_text = False
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise SpecError([SpecIssue(key_part, f"override value is refused: it is {len(text)} characters, more "
+                                             f"than the {MAX_OVERRIDE_CHARS} an override may hold",
+                                   "put large values in the spec file")])
     try:
         parsed = parser.parse_override(stripped)
+    except RecursionError:
+        raise SpecError([SpecIssue(key_part, f"override value is refused: lists and mappings nest more than "
+                                             f"{Limits().max_depth} deep", "give a small value")]) from None
     except HydraException as exc:
         if not sep or not text or _STRUCTURE & set(text):
             raise _malformed(item, str(exc).splitlines()[0]) from None
@@ -115,6 +125,10 @@ def parse_override(item: str) -> Override:
     op = "delete" if parsed.is_delete() else "force_add" if parsed.is_force_add() else \
         "add" if parsed.is_add() else "change"
     value = text.strip() if plain_text else parsed.value() if sep else None
+    try:
+        check_json_shape(value)  # the spec file's node and depth caps
+    except LimitExceeded as exc:
+        raise SpecError([SpecIssue(key, f"override value is refused: {exc}", "give a small value")]) from None
     return Override(op=op, key=key, value=value, text=text if sep else None, item=item)
 
 
