@@ -58,6 +58,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """The spec as the run sees it: extends merged, overrides applied, every default filled; a
+    self-contained file (no ``extends``) that ``relax run`` accepts as it is."""
+    import yaml
+
+    spec, _ = _load(args.spec, args.overrides)
+    print(f"# {args.spec}{''.join(' ' + o for o in args.overrides)}: resolved by relax {__version__}")
+    print(yaml.safe_dump(spec.model_dump(mode="json", exclude={"extends"}), sort_keys=False,
+                         allow_unicode=True), end="")
+    return EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # A spec that means nothing exits 2 here; one this runtime or machine cannot run exits 1 from
     # run_spec's preflight, which makes the same checks as `relax validate`.
@@ -302,13 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
     def spec_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("spec", help="a YAML/JSON run spec, or a preset name (e.g. tiny-cpu)")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.kl_coef=0.01")
+        p.add_argument("overrides", nargs="*", help="overrides in Hydra's grammar: key=value, +key=value (add), "
+                       "~key (delete), key=null; e.g. algorithm.kl_coef=0.01")
         p.set_defaults(func=func)
         return p
 
     spec_command("validate", "check a run spec and report every problem", cmd_validate)
     plan = spec_command("plan", "show where every role runs and its memory, without starting anything", cmd_plan)
     plan.add_argument("--format", choices=["table", "json", "dot", "mermaid"], default="table")
+    spec_command("config", "print the resolved spec (extends merged, overrides applied, every default filled)",
+                 cmd_config)
     run = spec_command("run", "train", cmd_run)
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
 

@@ -482,6 +482,12 @@ class RolloutContext(ContextData):
     """Share of each GPU an engine may take (engines that preallocate)."""
     max_prompt_tokens: int = 256
     """Prompts are cut from the left to this many tokens."""
+    chat_template: str = "none"
+    """How a text prompt is rendered before it is tokenized: ``auto`` (the tokenizer's chat
+    template when it has one), ``none`` (raw), or the absolute path of a Jinja template file
+    (``relax_plugins.rollout.chat_template.PromptEncoder`` does it for the built-in backends). A run
+    passes ``data.chat_template`` (default ``auto``); a context built elsewhere (a judge that renders
+    its own prompts) tokenizes raw unless it asks."""
     media: MediaInfo | None = None
     """None for text runs."""
     max_trajectory_tokens: int | None = None

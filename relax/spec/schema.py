@@ -15,8 +15,11 @@ SCHEMA_ID = "https://relax.dev/schemas/run-spec.schema.json"
 
 
 def run_spec_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a run spec."""
-    schema = RunSpec.model_json_schema()
+    """The JSON Schema (draft 2020-12) of a run spec, with the shipped plugins' options
+    (``relax.spec.plugin_schema``)."""
+    from relax.spec.plugin_schema import add_plugin_options
+
+    schema = add_plugin_options(RunSpec.model_json_schema())
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **schema}
 
 
