@@ -34,11 +34,12 @@ def vs_trl(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def faults(session: nox.Session) -> None:
     """The fault-tolerance lane (about 10 minutes): live runs whose workers or ranks are killed,
-    frozen, scaled (also with collective weight sync) and whose node is lost, in the default
+    frozen, scaled (also with collective weight sync) and whose node is lost, and the slow probes of
+    the failure-cause catalogue (a driver killed, a hung reward, broken checkpoints), in the default
     environment."""
     # a later -m overrides the `-m 'not ... faults'` of pyproject's addopts
     session.run("python", "-m", "pytest", "-m", "faults", "tests/runtime/test_faults.py",
-                "tests/runtime/test_weight_sync_run.py", *session.posargs)
+                "tests/runtime/test_weight_sync_run.py", "tests/hostile/test_failure_causes.py", *session.posargs)
 
 
 @nox.session(python="3.11")

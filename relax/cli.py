@@ -58,6 +58,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """The spec as the run sees it: extends merged, overrides applied, every default filled; a
+    self-contained file (no ``extends``) that ``relax run`` accepts as it is."""
+    import yaml
+
+    spec, _ = _load(args.spec, args.overrides)
+    print(f"# {args.spec}{''.join(' ' + o for o in args.overrides)}: resolved by relax {__version__}")
+    print(yaml.safe_dump(spec.model_dump(mode="json", exclude={"extends"}), sort_keys=False,
+                         allow_unicode=True), end="")
+    return EXIT_OK
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # A spec that means nothing exits 2 here; one this runtime or machine cannot run exits 1 from
     # run_spec's preflight, which makes the same checks as `relax validate`.
@@ -139,6 +151,57 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _singular(word: str) -> str:
+    """``rewards`` -> ``reward``, ``losses`` -> ``loss``, ``modalities`` -> ``modality``: the form
+    both spellings of a kind share."""
+    word = word.strip().lower()
+    if word.endswith("ies"):
+        return word[:-3] + "y"
+    if word.endswith("sses"):
+        return word[:-2]
+    if word.endswith("s") and not word.endswith("ss"):
+        return word[:-1]
+    return word
+
+
+def plugin_kind(text: str) -> str:
+    """The plugin kind ``text`` names, singular or plural (``reward`` and ``rewards`` are both
+    ``rewards``); ``UsageError`` listing the kinds for any other word, since a filter that matches
+    nothing would print nothing and look like "no plugins installed"."""
+    from relax.contracts import PluginKind
+
+    for kind in PluginKind:
+        if _singular(text) == _singular(kind.value):
+            return kind.value
+    raise UsageError(f"--kind {text!r} is not a plugin kind; choose one of: "
+                     + ", ".join(kind.value for kind in PluginKind))
+
+
+def _type_name(annotation: Any) -> str:
+    """A plugin option's type as a user writes it: ``int``, ``list[str]``, ``float | None``."""
+    if isinstance(annotation, type) and not getattr(annotation, "__args__", None):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "").replace("NoneType", "None")
+
+
+def option_rows(config: Any) -> dict[str, dict[str, Any]]:
+    """Each option of a plugin's pydantic ``Config``: its type, its default (absent when the option
+    is required) and the first paragraph of its help, for ``relax plugins``."""
+    from pydantic_core import PydanticUndefined
+
+    options = {}
+    for key, field in config.model_fields.items():
+        row: dict[str, Any] = {"type": _type_name(field.annotation), "required": field.is_required()}
+        if not field.is_required():
+            default = field.get_default(call_default_factory=True) if field.default is PydanticUndefined \
+                else field.default
+            row["default"] = default.value if hasattr(default, "value") and not isinstance(default, type) \
+                else default
+        row["help"] = " ".join((field.description or "").strip().split("\n\n")[0].split())
+        options[key] = row
+    return options
+
+
 def _plugin_rows(kind_filter: str | None) -> list[dict[str, Any]]:
     from relax.contracts import PluginKind
     from relax.registry import PluginError, get_registry
@@ -153,8 +216,7 @@ def _plugin_rows(kind_filter: str | None) -> list[dict[str, Any]]:
                                    "distribution": entry.distribution, "version": entry.version}
             try:
                 cls = registry.load(kind, name)
-                row["options"] = {key: (field.description or "").split("\n")[0]
-                                  for key, field in cls.Config.model_fields.items()}
+                row["options"] = option_rows(cls.Config)
                 row["status"] = "ok"
             except PluginError as exc:
                 row["options"], row["status"] = {}, f"error: {exc}"
@@ -162,10 +224,23 @@ def _plugin_rows(kind_filter: str | None) -> list[dict[str, Any]]:
     return rows
 
 
+def _option_line(key: str, option: dict[str, Any]) -> str:
+    """``key (type, default 0.5): help`` or ``key (type, required): help``."""
+    if option["required"]:
+        how = "required"
+    else:
+        how = f"default {json.dumps(option['default'], default=str)}"
+    return f"{key} ({option['type']}, {how}): {option['help']}"
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
-    rows = _plugin_rows(args.kind)
+    kind = plugin_kind(args.kind) if args.kind else None
+    rows = _plugin_rows(kind)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, default=str))
+        return EXIT_OK
+    if not rows:
+        print(f"no {kind or ''} plugins installed".replace("  ", " "))
         return EXIT_OK
     current = None
     for row in rows:
@@ -174,9 +249,61 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"{current}:")
         status = "" if row["status"] == "ok" else f"  [{row['status']}]"
         print(f"  {row['name']:<22} {row['distribution']} {row['version']}  ({row['target']}){status}")
-        for key, desc in row["options"].items():
-            print(f"      {key}: {desc}")
+        for key, option in row["options"].items():
+            print(f"      {_option_line(key, option)}")
     return EXIT_OK
+
+
+#: The shells ``relax completion`` writes a script for (argcomplete's own shell code).
+COMPLETION_SHELLS = ("bash", "zsh", "fish")
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """Print the shell code that completes ``relax`` commands, options and files: argcomplete's,
+    which calls ``relax`` back with ``_ARGCOMPLETE`` set (see ``complete_if_asked``)."""
+    from argcomplete import shellcode
+
+    print(shellcode(["relax"], shell=args.shell), end="")
+    return EXIT_OK
+
+
+def complete_if_asked(parser: argparse.ArgumentParser) -> None:
+    """Answer a shell's completion request and exit (argcomplete), when the shell asks: only then is
+    argcomplete imported, so ordinary commands pay nothing for completion."""
+    import os
+
+    if "_ARGCOMPLETE" in os.environ:
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+
+
+def add_completion_command(sub: Any) -> None:
+    completion = sub.add_parser(
+        "completion", help="print the shell code that completes relax commands (bash, zsh, fish)",
+        description="Print the shell code that completes relax's commands and options. Load it from your shell's "
+                    "start-up file, e.g. `eval \"$(relax completion bash)\"` in ~/.bashrc or "
+                    "`eval \"$(relax completion zsh)\"` in ~/.zshrc.")
+    completion.add_argument("shell", choices=COMPLETION_SHELLS)
+    completion.set_defaults(func=cmd_completion)
+
+
+#: Exit status of a command whose reader went away (``relax plugins | head``): the shell's own for
+#: a process ended by SIGPIPE (128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
+def quiet_broken_pipe() -> int:
+    """The reader of stdout closed it (``| head``): stop writing, without a traceback. Python would
+    try to flush stdout again at exit and fail the same way, so stdout is pointed at /dev/null."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a captured stream): nothing to redirect
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,13 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
     def spec_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("spec", help="a YAML/JSON run spec, or a preset name (e.g. tiny-cpu)")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.kl_coef=0.01")
+        p.add_argument("overrides", nargs="*", help="overrides in Hydra's grammar: key=value, +key=value (add), "
+                       "~key (delete), key=null; e.g. algorithm.kl_coef=0.01")
         p.set_defaults(func=func)
         return p
 
     spec_command("validate", "check a run spec and report every problem", cmd_validate)
     plan = spec_command("plan", "show where every role runs and its memory, without starting anything", cmd_plan)
     plan.add_argument("--format", choices=["table", "json", "dot", "mermaid"], default="table")
+    spec_command("config", "print the resolved spec (extends merged, overrides applied, every default filled)",
+                 cmd_config)
     run = spec_command("run", "train", cmd_run)
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
 
@@ -221,17 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_schema)
 
     plugins = sub.add_parser("plugins", help="list installed plugins by kind, with their options")
-    plugins.add_argument("--kind", help="only this kind (rollout, trainer, rewards, ...)")
+    plugins.add_argument("--kind", help="only this kind, singular or plural (rollout, trainer, reward(s), ...)")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=cmd_plugins)
+    add_completion_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    complete_if_asked(parser)
     args = parser.parse_args(argv)
     try:
         code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
         if argv is None:  # the command line itself: the process exits next
             # The interpreter's last garbage collections walk every object that torch, Ray and the
             # libraries made, seconds after a run has written everything; frozen objects are skipped.
@@ -243,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"relax: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except BrokenPipeError:
+        return quiet_broken_pipe()
     except KeyboardInterrupt:  # outside a run's own handling (which says how to resume)
         print("relax: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -40,6 +40,7 @@ class PluginKind(StrEnum):
     modalities = "modalities"
     models = "models"
     environments = "environments"
+    loggers = "loggers"
 
     @property
     def group(self) -> str:
@@ -101,6 +102,13 @@ HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
         Hook("start", ("task",)),
         Hook("step", ("state", "turn")),
     ),
+    # Published contract for third parties: keep it stable (docs/runtime.md, "Experiment trackers").
+    # Built in the driver only; ``log`` gets every metrics.jsonl row, ``close`` runs once at the end.
+    PluginKind.loggers: (
+        Hook("__init__", ("config", "run")),
+        Hook("log", ("step", "metrics")),
+        Hook("close", ("status",)),
+    ),
 }
 
 
@@ -152,6 +160,25 @@ class TokenPrompt:
     media: list[Any] = field(default_factory=list)
     max_new_tokens: int | None = None
     """This call's budget (a turn's, or what is left of the trajectory's); None: the sampling's."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a ``relax.loggers`` plugin is told about the run it records (the driver builds one)."""
+
+    name: str
+    """The run's name (``name`` in the spec)."""
+    output_dir: str
+    """The run's absolute output folder: a logger writes its local files under it."""
+    config: dict[str, Any]
+    """The resolved spec as JSON-able data (what a tracker records as the run's configuration)."""
+    start_step: int = 0
+    """The step the run starts after: 0 for a fresh run, a checkpoint's step when resumed (the rows
+    of the steps after it may reach a logger a second time)."""
+
+
+LoggerStatus = Literal["finished", "failed", "killed"]
+"""How a run ended, as ``close`` is told: every step done, an error, or interrupted (Ctrl-C)."""
 
 
 # -- agents ---------------------------------------------------------------------------------------
@@ -455,6 +482,12 @@ class RolloutContext(ContextData):
     """Share of each GPU an engine may take (engines that preallocate)."""
     max_prompt_tokens: int = 256
     """Prompts are cut from the left to this many tokens."""
+    chat_template: str = "none"
+    """How a text prompt is rendered before it is tokenized: ``auto`` (the tokenizer's chat
+    template when it has one), ``none`` (raw), or the absolute path of a Jinja template file
+    (``relax_plugins.rollout.chat_template.PromptEncoder`` does it for the built-in backends). A run
+    passes ``data.chat_template`` (default ``auto``); a context built elsewhere (a judge that renders
+    its own prompts) tokenizes raw unless it asks."""
     media: MediaInfo | None = None
     """None for text runs."""
     max_trajectory_tokens: int | None = None

@@ -9,6 +9,7 @@ like validation errors.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -114,44 +115,72 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
         raise SpecError([SpecIssue("extends", f"no preset or file named '{parent}' (from {path})",
                                    f"use a path or one of the presets: {', '.join(list_presets())}")]) from None
     base = _load_tree(parent_path.resolve(), (*chain, path))
-    merged = OmegaConf.merge(base, node)
+    return merge_child(base, node)
+
+
+#: In a mapping that names a plugin, the key naming it and the key holding its options. When a
+#: file in an ``extends`` chain names another plugin than its parent does, the parent's options
+#: are dropped: they were written for the other plugin (``options: {size: 4096}`` of
+#: ``synthetic:arithmetic`` mean nothing to a ``.jsonl`` file).
+PLUGIN_OPTION_KEYS: tuple[tuple[str, str], ...] = (
+    ("source", "options"),                    # data.train, data.eval
+    ("name", "options"),                      # rewards (lists are replaced whole anyway)
+    ("path", "options"),                      # model: builtin:<name> options
+    ("backend", "options"),                   # roles.rollout, roles.actor, ...
+    ("environment", "environment_options"),   # roles.rollout.agent
+    ("advantage", "advantage_options"),       # algorithm
+    ("loss", "loss_options"),                 # algorithm
+)
+
+
+def _replace_marks(base: DictConfig, child: DictConfig) -> None:
+    """Drop from ``base`` what ``child`` replaces rather than merges into (see ``merge_child``)."""
+    for key in list(child.keys()):
+        if key not in base:
+            continue
+        theirs = child._get_node(key)
+        mine = base._get_node(key)
+        if isinstance(theirs, DictConfig) and not theirs._is_none() and isinstance(mine, DictConfig) \
+                and not mine._is_none():
+            if len(theirs) == 0:
+                del base[key]  # an explicit {}: the parent's mapping is replaced by an empty one
+            else:
+                _replace_marks(mine, theirs)
+    for name_key, options_key in PLUGIN_OPTION_KEYS:
+        if name_key in child and name_key in base and options_key in base \
+                and _scalar(child, name_key) != _scalar(base, name_key):
+            del base[options_key]
+
+
+def _scalar(cfg: DictConfig, key: str) -> Any:
+    node = cfg._get_node(key)
+    return node._value() if node is not None and not isinstance(node, (DictConfig, ListConfig)) else id(node)
+
+
+def merge_child(base: DictConfig, child: DictConfig) -> DictConfig:
+    """A file merged over its ``extends`` parent: mappings merge key by key, the child winning,
+    except that the child replaces the parent's value
+
+    - for a list (lists are never merged item by item);
+    - for ``null`` (``options: null`` means none);
+    - for an empty mapping (``options: {}`` means none, not "add nothing");
+    - for a plugin's options when the child names another plugin than the parent
+      (``PLUGIN_OPTION_KEYS``: a ``source``, ``name``, ``path``, ``backend``, ``environment``,
+      ``advantage`` or ``loss`` that differs drops the parent's options beside it).
+    """
+    base = copy.deepcopy(base)
+    _replace_marks(base, child)
+    merged = OmegaConf.merge(base, child)
     assert isinstance(merged, DictConfig)
     return merged
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``a.b.c=value`` -> (``a.b.c``, value parsed as YAML: numbers, booleans, lists, null)."""
-    key, sep, value = item.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise SpecError([SpecIssue("", f"override '{item}' is not of the form a.b.c=value",
-                                   "write e.g. algorithm.kl_coef=0.01")])
-    if key.split(".")[0] == "extends":
-        raise SpecError([SpecIssue("extends", f"override '{item}': extends cannot be set on the command line "
-                                              "(the files it names are read before overrides apply)",
-                                   "write extends: in the spec file, or give the preset as the spec")])
-    try:
-        parsed = load_yaml(value) if value.strip() else ""
-    except LimitExceeded as exc:
-        raise SpecError([SpecIssue(key, f"override value is refused: {exc}", "give a small value")]) from None
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed
-
-
-def _apply_override(cfg: DictConfig, key: str, value: Any) -> None:
-    try:
-        OmegaConf.update(cfg, key, value, merge=False, force_add=True)  # a=b replaces, like Hydra
-    except (OmegaConfBaseException, IndexError, ValueError, TypeError) as exc:
-        raise SpecError([SpecIssue(key, f"override cannot be applied: {exc}".splitlines()[0],
-                                   "check the path exists in the spec (lists take an index: rewards.0.weight)")]) from None
 
 
 def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
     """The spec as a plain dict, and the folder relative paths in it are taken from.
 
-    ``ref`` is a file path or a preset name. ``extends`` chains are merged base-first, overrides
-    are applied last, then ``${...}`` interpolations are resolved.
+    ``ref`` is a file path or a preset name. ``extends`` chains are merged base-first (see
+    ``merge_child``), overrides (Hydra's grammar, ``relax.config.overrides``) are applied last, then
+    ``${...}`` interpolations are resolved.
     """
     try:
         path = resolve_spec_path(str(ref), Path.cwd()).resolve()
@@ -159,8 +188,11 @@ def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ())
         raise SpecError([SpecIssue("", f"spec '{ref}' is neither a file nor a preset",
                                    f"give a YAML/JSON path or one of: {', '.join(list_presets())}")]) from None
     cfg = _load_tree(path, ())
-    for item in overrides:
-        _apply_override(cfg, *parse_override(item))
+    if overrides:
+        from relax.config.overrides import apply_override, parse_override
+
+        for item in overrides:
+            apply_override(cfg, parse_override(item))
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
 from pathlib import Path
 
 from relax.contracts import PluginKind
@@ -168,3 +171,17 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
         settings=run_settings(spec, base_dir or Path.cwd()),
         notes=notes,
     )
+
+
+class _CallablePackage(types.ModuleType):
+    """``relax.plan`` is this package and also the Python API's ``relax.plan(spec, overrides)``
+    (``relax.api.plan``): once any code imports the package, Python binds the name ``relax.plan``
+    to it, so the package itself answers the call."""
+
+    def __call__(self, spec: Any, overrides: Any = (), **options: Any) -> Plan:
+        from relax.api import plan
+
+        return plan(spec, overrides, **options)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

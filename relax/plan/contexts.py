@@ -8,6 +8,7 @@ stored with a plan, since the contexts are plain data.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from relax.contracts import (
@@ -51,12 +52,25 @@ def sampling_info(spec: RunSpec) -> SamplingInfo:
     return SamplingInfo.model_validate(spec.roles.rollout.sampling.model_dump())
 
 
-def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu") -> RolloutContext:
-    """What the rollout backend of ``spec`` is built with."""
+def chat_template_of(spec: RunSpec, base_dir: Path | None = None) -> str:
+    """``data.chat_template`` for a context: ``auto``, ``none``, or the template file's absolute
+    path (``~`` expanded, taken from the spec's folder, ``base_dir``, else the working folder)."""
+    template = spec.data.chat_template
+    if template in ("auto", "none"):
+        return template
+    from relax.spec.data_files import data_path
+
+    return str(data_path(template, base_dir or Path.cwd()).resolve())
+
+
+def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu", base_dir: Path | None = None) -> RolloutContext:
+    """What the rollout backend of ``spec`` is built with (``base_dir``: the spec's folder, which
+    a relative ``data.chat_template`` is taken from)."""
     role = spec.roles.rollout
     return RolloutContext(role="rollout", model=model_info(spec, model_path), sampling=sampling_info(spec),
                           parallel=_parallel(role), gpu_memory_utilization=role.gpu_memory_utilization,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
+                          chat_template=chat_template_of(spec, base_dir),
                           max_trajectory_tokens=None if role.agent is None else role.agent.max_tokens,
                           device=device, seed=spec.seed, record_routing=spec.algorithm.router_replay == "r3")
 

@@ -257,6 +257,8 @@ class RunSettings(PlanPart):
     folder and tells each worker the absolute folder."""
     checkpoint_every: int
     keep_checkpoints: int
+    export_every: int = 0
+    """``trainer.export_every`` (0 when null): a Hugging Face export every this many steps and at the end."""
     prompts_per_step: int
     samples_per_prompt: int
     max_staleness: int

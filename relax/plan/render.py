@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from relax.plan.model import Plan, RoleWiring
+from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleWiring
 
 
 def _human_params(n: int | None) -> str:
@@ -69,6 +69,7 @@ def render_table(plan: Plan) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in dev.phases.items()) if dev else ""
         device = f"gpu{gpu}" if gpu is not None else "cpu"
         lines.append(f"  {node:>4}  {device:<6}  {roles:<44}  {peak}  {cap}  {phases}")
+        lines += [f"{'':>16}{line}" for line in _memory_contents(dev)] if dev else []
     lines += ["", "Workers (one process each; loops in the order they run a step):"]
     for worker in plan.workers:
         gpus = f"gpu {','.join(map(str, worker.instance.gpus))}" if worker.instance.gpus else "cpu"
@@ -135,6 +136,21 @@ def render_mermaid(plan: Plan) -> str:
         arrow = "-.->" if weights else "-->"
         lines.append(f'  {a} {arrow}|"{label}"| {b}')
     return "\n".join(lines) + "\n"
+
+
+def _memory_contents(dev: DeviceMemory) -> list[str]:
+    """What each role keeps on one device, in GiB, one line per role: what it holds for the whole
+    run (weights, optimizer state), then what it frees between uses (gradients, activations,
+    logits, KV cache), which roles sharing the device hold in turn."""
+    by_role: dict[str, list[MemoryItem]] = defaultdict(list)
+    for item in dev.items:
+        by_role[item.role].append(item)
+    lines = []
+    for role, items in by_role.items():
+        held = ", ".join(f"{i.what} {i.gib:.2f}" for i in items if not i.transient) or "nothing"
+        freed = ", ".join(f"{i.what} {i.gib:.2f}" for i in items if i.transient)
+        lines.append(f"{role}: {held}" + (f"; transient: {freed}" if freed else ""))
+    return lines
 
 
 def render(plan: Plan, fmt: str = "table") -> str:

@@ -41,6 +41,7 @@ from relax.roles import (
     Column,
     Role,
 )
+from relax.spec.data_files import data_path
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
 
@@ -132,8 +133,8 @@ def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
     """The training data set; a file path is taken relative to the spec's folder."""
     name, implied = dataset_plugin(spec.data.train.source)
     options = {**implied, **spec.data.train.options}
-    if "path" in implied and not Path(options["path"]).is_absolute():
-        options["path"] = str(base_dir / options["path"])
+    if "path" in implied:  # "~" expanded, a relative path from the spec's folder, as validation reads it
+        options["path"] = str(data_path(options["path"], base_dir))
     if "path" in implied:  # a data file: its rows' prompts are checked to be text as it is read
         options.setdefault("prompt_key", spec.data.prompt_key)
     return _use(PluginKind.datasets, name, options)
@@ -144,12 +145,13 @@ def reward_uses(spec: RunSpec) -> list[RewardUse]:
                       timeout_s=r.timeout_s, on_error=r.on_error, max_error_frac=r.max_error_frac, always=r.always) for r in spec.rewards]
 
 
-def rollout_use(spec: RunSpec, threads: int | None = None) -> PluginUse:
+def rollout_use(spec: RunSpec, threads: int | None = None, base_dir: Path | None = None) -> PluginUse:
     """The rollout backend, its options (with this worker's torch threads) and its context; the
-    model is as ``model.path`` names it (the worker puts in the folder it was materialized to)."""
+    model is as ``model.path`` names it (the worker puts in the folder it was materialized to).
+    ``base_dir``: the spec's folder (a relative ``data.chat_template`` is taken from it)."""
     role = spec.roles.rollout
     return _use(PluginKind.rollout, role.backend, _backend_options(role.options, threads),
-                rollout_context(spec, spec.model.path))
+                rollout_context(spec, spec.model.path, base_dir=base_dir))
 
 
 def trainer_use(spec: RunSpec, role: str, threads: int | None = None) -> PluginUse:
@@ -226,7 +228,7 @@ class _WorkerWiring:
                            if agent is not None and agent.environment is not None else [])
             wired[Role.rollout] = RoleWiring(
                 role=Role.rollout, task=Role.rollout,
-                plugins=[rollout_use(spec, self.threads),
+                plugins=[rollout_use(spec, self.threads, self.base_dir),
                          dataset_use(spec, self.base_dir), *media, *environment],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
@@ -365,6 +367,7 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
     return RunSettings(
         name=spec.name, seed=spec.seed, steps=spec.trainer.steps, output_dir=spec.trainer.output_dir,
         checkpoint_every=spec.trainer.checkpoint_every, keep_checkpoints=spec.trainer.keep_checkpoints,
+        export_every=spec.trainer.export_every or 0,
         prompts_per_step=algo.prompts_per_step, samples_per_prompt=algo.samples_per_prompt,
         max_staleness=spec.async_policy.staleness_cap, dynamic_sampling=algo.dynamic_sampling.enabled,
         auto_staleness=(spec.async_policy.auto.model_copy(deep=True)

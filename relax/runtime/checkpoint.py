@@ -3,7 +3,15 @@ half-written one that ``--resume`` would pick up.
 
 ``<output_dir>/checkpoints/step-<n>/`` holds the trainer's own state (model and optimizer, via the
 plugin's ``save``) and ``meta.json`` (the step; the data position and the sampling seeds are pure
-functions of the step, see ``relax.runtime.data``).
+functions of the step, see ``relax.runtime.data``). The built-in trainers' ``trainer/`` folder is a
+Hugging Face model folder, so ``AutoModelForCausalLM.from_pretrained(".../step-<n>/trainer")``
+loads it.
+
+``<output_dir>/export/step-<n>/`` (``trainer.export_every``) is the model alone, for people and
+other tools: the checkpoint's ``trainer/`` folder without the training state (optimizer, trainer
+state), hard-linked from the checkpoint of the same step when there is one (no second write),
+else written by the trainer's ``save``. Both are readable by others (folders 0755, files 0644): a
+temporary folder is created 0700, which would hide them from anyone but their writer.
 """
 
 from __future__ import annotations
@@ -17,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 CHECKPOINTS = "checkpoints"
+EXPORT = "export"
 META = "meta.json"
+#: Files of the built-in trainers' ``save`` folder that are training state, not the model: an
+#: export leaves them out.
+TRAINING_STATE_FILES = frozenset({"optimizer.pt", "trainer_state.json"})
+FOLDER_MODE, FILE_MODE = 0o755, 0o644
 
 
 class CheckpointError(ValueError):
@@ -40,6 +53,7 @@ def save_checkpoint(output_dir: Path, step: int, trainer: Any, keep: int) -> Pat
         trainer.save(str(staging / "trainer"))
         meta = {"step": step, "time": time.time(), "torch_rng": torch.get_rng_state().tolist()}
         (staging / META).write_text(json.dumps(meta))
+        open_permissions(staging)
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -48,6 +62,57 @@ def save_checkpoint(output_dir: Path, step: int, trainer: Any, keep: int) -> Pat
             shutil.rmtree(staging, ignore_errors=True)
     for old in checkpoints_to_remove(list_checkpoints(output_dir), keep, last_metrics_step(output_dir)):
         shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def open_permissions(folder: Path) -> None:
+    """Make a written folder readable by others: folders 0755, files 0644 (a ``tempfile.mkdtemp``
+    folder is 0700)."""
+    folder.chmod(FOLDER_MODE)
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(parent, name), FOLDER_MODE)
+        for name in files:
+            os.chmod(os.path.join(parent, name), FILE_MODE)
+
+
+def export_model(output_dir: Path, step: int, trainer: Any, checkpoint: Path | None = None) -> Path | None:
+    """Write ``<output_dir>/export/step-<step>/``: the model in ``save_pretrained`` layout with its
+    tokenizer or processor, and no training state. With ``checkpoint`` (this step's, just written)
+    its ``trainer/`` files are hard-linked (copied where links are refused); else the trainer's
+    ``save`` writes them. Atomic like a checkpoint. Every rank of a trainer calls it (``save`` may
+    be collective); None on a rank where ``save`` wrote nothing (only rank 0 writes)."""
+    root = output_dir / EXPORT
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    staging = Path(tempfile.mkdtemp(prefix=f".step-{step}.", dir=root))
+    try:
+        source = checkpoint / "trainer" if checkpoint is not None else None
+        if source is None or not source.is_dir():
+            trainer.save(str(staging / "saved"))
+            source = staging / "saved"
+            if not source.is_dir():
+                return None
+        model = staging / "model"
+        model.mkdir()
+        for path in sorted(source.rglob("*")):
+            rel = path.relative_to(source)
+            if rel.parts[0] in TRAINING_STATE_FILES:
+                continue
+            if path.is_dir():
+                (model / rel).mkdir(parents=True, exist_ok=True)
+                continue
+            (model / rel).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, model / rel)
+            except OSError:  # another file system, or links not allowed
+                shutil.copy2(path, model / rel)
+        open_permissions(model)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(model, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -38,6 +38,7 @@ from relax.runtime.run_state import partition_of
 from relax.runtime.staleness import StalenessController
 from relax.runtime.startup import InBackground, StartupClock
 from relax.runtime.supervision import SUPERVISE_S, ResumeRun, RunFailed, Supervision, start_failure
+from relax.runtime.trackers import Trackers
 from relax.spec.models import RunSpec
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class Controller(Deployment, Supervision, Elastic):
         self.faults = plan.settings.fault_tolerance
         self.progress = Progress(plan.settings.steps, stream, plan.settings.mismatch)
         self.metrics = MetricsLog(output_dir, start_step if resume_from else None)
+        self.trackers = Trackers()
+        """The spec's ``logging:`` loggers (built in ``run``): every row of ``metrics`` reaches them."""
         self.restarts: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self.scale_requests: queue.Queue[ScaleRequest] = queue.Queue()
@@ -93,10 +96,18 @@ class Controller(Deployment, Supervision, Elastic):
         self.spec_hash = spec_hash
         self.telemetry = Telemetry.from_spec(settings, self.output_dir, role="controller", spec_hash=spec_hash)
         self.step_metrics = StepMetricsExporter.from_spec(settings, spec_hash=spec_hash)
-        self._bus_start = self._start_bus()
         self.placement: Placement | None = None
         control = None
         start, resume_from = self.start_step, self.resume_from
+        status = "failed"  # what the loggers are told at the end
+        try:
+            # Before anything starts: a logger that cannot start stops the run at once.
+            self.trackers = Trackers.from_spec(self.spec, self.output_dir, start if resume_from else 0)
+        except Exception:
+            self.telemetry.shutdown()
+            self.step_metrics.shutdown()
+            raise
+        self._bus_start = self._start_bus()
         try:
             placing = time.time()
             self.placement = create_placement(self.plan)
@@ -107,6 +118,7 @@ class Controller(Deployment, Supervision, Elastic):
                 while True:
                     try:
                         self._attempt(start, resume_from)
+                        status = "finished"
                         return 0
                     except ResumeRun as exc:
                         self._charge(exc.roles, exc.reason, "resume")
@@ -116,12 +128,16 @@ class Controller(Deployment, Supervision, Elastic):
                         for partition in self.bus.partitions() if self.bus is not None else ():
                             self.bus.clear(partition)  # the next attempt starts from an empty bus
                         print(f"relax run: {exc.reason}; resuming from step {start}", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trackers record the run as killed
+            status = "killed"
+            raise
         finally:
             late = list(self._joins)
             while not self.scale_requests.empty():  # asked too late: say so instead of hanging up
                 late.append(self.scale_requests.get())
             for item in late:
                 self._answer(item, {"error": "the run ended before the change could be applied"})
+            self.progress.close()  # the live bar ends before any closing line is printed
             if control is not None:
                 control.close()
             if self.placement is not None:
@@ -129,6 +145,7 @@ class Controller(Deployment, Supervision, Elastic):
             self._close_bus()
             self.telemetry.shutdown()
             self.step_metrics.shutdown()
+            self.trackers.close(status)
 
     # -- the bus ------------------------------------------------------------------------------------
 
@@ -264,6 +281,7 @@ class Controller(Deployment, Supervision, Elastic):
             row.update(self._fault_metrics(reports))
             last_end = end
             self.metrics.append(row)
+            self.trackers.log(row)
             self.startup.step_finished()
             self.progress.update(row)
             if self.staleness is not None:  # max_staleness: auto chooses the bound of the next admissions

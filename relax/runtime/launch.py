@@ -332,6 +332,18 @@ def _resume_command() -> str:
     return "relax run SPEC"
 
 
+def closing_summary(spec: RunSpec, output_dir: Path, start_step: int, wall_s: float) -> str:
+    """``run_text.summary`` of this run's rows (the steps after ``start_step``)."""
+    from relax.runtime.metrics import read_metrics
+    from relax.runtime.run_text import summary
+
+    try:
+        rows = [row for row in read_metrics(output_dir) if row.get("step", 0) > start_step]
+    except (FileNotFoundError, ValueError):
+        rows = []
+    return summary(spec, output_dir, rows, wall_s)
+
+
 def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False, stream: Any = None) -> int:
     """Train ``spec`` as ``plan`` lays it out; 0 on success, 1 when the run fails or cannot start,
     130 (``EXIT_INTERRUPTED``) when Ctrl-C or SIGTERM stopped it. The last line printed names the
@@ -339,6 +351,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     from relax.runtime.startup import InBackground, StartupClock, process_started_at
 
     clock = StartupClock(process_started_at())
+    began = time.time()
     clock.mark("imports")  # the command line until here: imports, validation, the plan
     problems = preflight(spec, base_dir)
     if problems:
@@ -368,10 +381,20 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     if kept is not None:
         print(f"relax run: {output_dir} held an earlier run; it is kept as {kept}", file=sys.stderr)
     write_run_record(output_dir, spec, plan)
+    out = stream or sys.stdout
+    from relax.runtime import run_text
+
+    print(run_text.banner(spec, plan, output_dir, start_step=start_step), end="", file=out, flush=True)
     from relax.runtime.components import materialize_model
 
+    building = run_text.model_phase(spec)
+    if building is not None:  # a built-in model: seconds to minutes the first time, then cached
+        print(building, file=out, flush=True)
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
     clock.mark("model")
+    if building is not None:
+        print(f"relax run: the model is ready ({clock.phases['model']:.1f} s); starting Ray and the workers...",
+              file=out, flush=True)
     # Ray mostly waits for the processes it starts: the driver imports the runtime meanwhile.
     imports = InBackground(lambda: import_runtime(plan), name="runtime-imports", clock=clock, part="runtime_imports")
     from relax.runtime.ray_sessions import clean_orphaned_sessions, forget_session, record_session
@@ -412,6 +435,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
         print(last_line, file=sys.stderr, flush=True)
     if code == EXIT_OK:  # the shutdown counts until Ray is down: metrics and checkpoints are written by then
         clock.stopped()
-        print(f"relax run: {clock.line()}", file=stream or sys.stdout, flush=True)
+        print(f"relax run: {clock.line()}", file=out, flush=True)
         clock.write(output_dir)
+        print(closing_summary(spec, output_dir, start_step, time.time() - began), end="", file=out, flush=True)
     return code

@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object per step in ``<output_dir>/metrics.jsonl``, and the progress line.
+"""Per-step metrics: one JSON object per step in ``<output_dir>/metrics.jsonl``, and the progress
+display (a ``rich`` bar on a terminal, plain lines otherwise, both with the time left).
 
 Each role reports its own timings for a step to ``RunState``; the controller joins them here.
 Time keys (seconds): ``time/step_s`` wall time between two optimizer steps; ``time/rollout_s``
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -143,32 +146,106 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class Progress:
-    """A bar on a terminal, plain lines otherwise (logs, CI)."""
+def format_duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min``: a duration as a person reads it."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
-    def __init__(self, total: int, stream: TextIO | None = None, mismatch: MismatchSpec | None = None) -> None:
+
+class StepPace:
+    """When the run will end, from the steps it has finished: the mean time between steps in this
+    process times the steps left. The first step of a process also holds the pipeline filling, so
+    until a second one finishes the estimate is that step's own ``time/step_s``."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.clock = total, clock
+        self._first: tuple[int, float] | None = None
+        self._last_step_s = 0.0
+
+    def update(self, step: int, step_s: float) -> float:
+        """Record that ``step`` (1-based, as in metrics.jsonl) finished; the seconds left."""
+        now = self.clock()
+        if self._first is None:
+            self._first = (step, now)
+        self._last_step_s = step_s
+        return self.eta_s(step, now)
+
+    def eta_s(self, step: int, now: float) -> float:
+        left = max(0, self.total - step)
+        first_step, first_at = self._first if self._first is not None else (step, now)
+        per_step = (now - first_at) / (step - first_step) if step > first_step else self._last_step_s
+        return left * per_step
+
+
+class Progress:
+    """The run's progress: a live bar (``rich``) when the stream is a terminal, one plain line per
+    step otherwise (logs, CI, a notebook's captured stream), each with the time left."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, mismatch: MismatchSpec | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.total = total
         self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty()
+        self.tty = _is_terminal(self.stream)
         self.mismatch = mismatch
         """``async_policy.mismatch``: a step above its ``kl_alarm`` gets an alarm line."""
+        self.pace = StepPace(total, clock)
+        self._bar: Any = None  # the rich progress display, started at the first step on a terminal
+        self._task: Any = None
 
-    def update(self, row: dict[str, Any]) -> None:
-        step = row["step"]
-        text = (f"step {step}/{self.total}  reward {row['reward/mean']:.3f}  staleness {row['staleness/max']}  "
+    @staticmethod
+    def figures(row: dict[str, Any]) -> str:
+        return (f"reward {row['reward/mean']:.3f}  staleness {row['staleness/max']}  "
                 f"{row['throughput/tokens_per_s']:.0f} tok/s  {row['time/step_s']:.2f} s/step "
                 f"(gen {row['time/rollout_s']:.2f} train {row['time/train_s']:.2f} "
                 f"sync {row['time/weight_sync_s']:.3f} wait {row['time/wait_s']:.2f})")
-        if self.tty:
-            width = 24
-            filled = int(width * step / self.total)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            if step == self.total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(f"[relax] {text}\n")
+
+    def update(self, row: dict[str, Any]) -> None:
+        step = row["step"]
+        eta = f"ETA {format_duration(self.pace.update(step, row['time/step_s']))}" if step < self.total else "done"
+        text = f"{self.figures(row)}  {eta}"
         alarm = mismatch_alarm(row, self.mismatch)
+        if self.tty:  # the time left first: a narrow terminal cuts the line's end
+            self._show(step, f"{eta}  {self.figures(row)}")
+            if alarm is not None:
+                self._bar.console.print(f"[relax] step {step}: MISMATCH ALARM: {alarm}", markup=False, highlight=False)
+            if step >= self.total:
+                self.close()
+            return
+        self.stream.write(f"[relax] step {step}/{self.total}  {text}\n")
         if alarm is not None:
-            self.stream.write(f"{chr(10) if self.tty and step != self.total else ''}[relax] step {step}: "
-                              f"MISMATCH ALARM: {alarm}\n")
+            self.stream.write(f"[relax] step {step}: MISMATCH ALARM: {alarm}\n")
         self.stream.flush()
+
+    def _show(self, step: int, text: str) -> None:
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as Bar
+            from rich.table import Column
+
+            console = Console(file=self.stream, highlight=False)
+            # the figures take what the bar leaves, cut at the terminal's edge, never wrapped
+            figures = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"))
+            self._bar = Bar(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24), figures, console=console, expand=True, auto_refresh=False, transient=False,
+                            redirect_stdout=False, redirect_stderr=False)
+            self._bar.start()
+            self._task = self._bar.add_task(text, total=self.total, completed=0)
+        self._bar.update(self._task, completed=step, description=text)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        """End the live bar (it stays on screen with its last figures); a no-op for plain lines."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or file-less stream
+        return False

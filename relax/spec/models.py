@@ -10,9 +10,9 @@ The names of the sections and fields are the user-facing contract of ``SPEC.md``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 Modality = Literal["text", "image", "audio", "video"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -28,8 +28,14 @@ WeightSync = Literal["auto", "object_store", "collective"]
 ToolCallFormat = Literal["hermes"]
 TruncatedPolicy = Literal["score", "mask"]
 
-#: Plugin options are free-form here and validated by the plugin's own ``Config`` model.
-PluginOptions = dict[str, Any]
+
+def _none_is_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+#: Plugin options are free-form here and validated by the plugin's own ``Config`` model. ``null``
+#: means none (``{}``), so a file can clear the options its ``extends`` parent gave.
+PluginOptions = Annotated[dict[str, Any], BeforeValidator(_none_is_empty)]
 
 
 class Section(BaseModel):
@@ -61,12 +67,15 @@ class ModelSpec(Section):
 
 
 class DataSource(Section):
-    """A data set: a ``relax.datasets`` plugin name or a ``.jsonl``/``.parquet`` path."""
+    """A data set: a ``relax.datasets`` plugin name or a local file or folder (docs/config.md)."""
 
     source: str
-    """A dataset plugin name (``synthetic:arithmetic``) or a path ending in ``.jsonl``/``.parquet``."""
+    """A dataset plugin name (``synthetic:arithmetic``) or a path (``~`` expanded, relative to the
+    spec's folder): a ``.jsonl``, ``.json``, ``.csv``, ``.parquet`` or ``.arrow`` file, or a folder
+    written by ``Dataset.save_to_disk``."""
     options: PluginOptions = Field(default_factory=dict)
-    """Options of the dataset plugin, checked against its ``Config``."""
+    """Options of the dataset plugin, checked against its ``Config``; null means none. A file in an
+    ``extends`` chain that names another source drops its parent's options."""
 
 
 class DataSpec(Section):
@@ -98,6 +107,14 @@ class DataSpec(Section):
     """Shuffle prompts each epoch with the run's seed (the order is reproducible and resumable)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt in tokens; longer prompts are truncated from the left. Used for memory plans."""
+    chat_template: str = "auto"
+    """How a text prompt becomes token ids: ``auto`` renders it as one user message through the
+    tokenizer's own chat template when it has one (with the generation prompt, as
+    ``apply_chat_template(..., add_generation_prompt=True)``) and tokenizes it raw otherwise;
+    ``none`` tokenizes it raw; any other value is a Jinja template file (``~`` expanded, relative to
+    the spec's folder) used instead of the tokenizer's. The rollout renders it, and the trainer
+    trains on exactly the ids the rollout generated from. Media prompts always go through the
+    model processor's template; agents render their own conversations."""
     reward_key: str | None = None
     """Column naming, per sample, the reward(s) that score it (a reward's ``id`` or ``name``, or a
     list of them); samples without a value are scored by every reward. null: every reward scores
@@ -246,6 +263,15 @@ class RewardSpec(Section):
     def key(self) -> str:
         """How routing and metrics name this entry: its ``id``, else its plugin name."""
         return self.id or self.name
+
+
+class LoggerSpec(Section):
+    """One experiment tracker (a ``relax.loggers`` plugin) that receives every metrics row."""
+
+    name: str
+    """A ``relax.loggers`` plugin name: ``tensorboard``, ``wandb`` and ``mlflow`` are built in."""
+    options: PluginOptions = Field(default_factory=dict)
+    """Options of the logger plugin, checked against its ``Config``."""
 
 
 class ParallelSpec(Section):
@@ -413,7 +439,8 @@ class ForwardRole(Section):
     """A role that only computes log-probs (reference, actor_fwd)."""
 
     backend: str = "torch"
-    """A ``relax.trainer`` plugin used in forward-only mode."""
+    """A ``relax.trainer`` plugin: it trains the actor and the critic, and only computes log-probs
+    (forward passes) for the reference and actor_fwd."""
     gpus: int = Field(0, ge=0)
     """GPUs of this role (in its own pool in separate mode, shared with the actor otherwise)."""
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
@@ -629,6 +656,11 @@ class TrainerSpec(Section):
     """Write a checkpoint every this many steps; 0 writes only the final one."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted)."""
+    export_every: int | None = Field(None, ge=0)
+    """Write a Hugging Face export (``<output_dir>/export/step-<n>/``: ``save_pretrained`` layout
+    with the tokenizer or processor, no optimizer state) every this many steps and after the last
+    step. null or 0: no export (checkpoints still load with ``AutoModelForCausalLM`` from
+    ``checkpoints/step-<n>/trainer``)."""
 
 
 class RoleFaultPolicy(Section):
@@ -737,6 +769,9 @@ class RunSpec(Section):
     """The training loop."""
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     """Tracing."""
+    logging: list[LoggerSpec] = Field(default_factory=list)
+    """Experiment trackers (``relax.loggers`` plugins): each gets every metrics row the run writes
+    to ``metrics.jsonl``. Empty: ``metrics.jsonl`` only."""
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     """Failure detection and recovery."""
 

@@ -21,11 +21,17 @@ from relax.contracts import PROXIMAL_CORRECTIONS, PluginKind
 from relax.registry import PluginError, Registry, trait
 from relax.spec.algorithms import ALGORITHMS
 from relax.spec.architecture import BUILTIN_PREFIX, ModelArchitecture
+from relax.spec.data_files import (  # noqa: F401 (re-exported: the planner and tests read them here)
+    DATA_FILE_SUFFIXES,
+    DATA_ROWS_CHECKED,
+    data_columns,
+    data_path,
+    dataset_plugin,
+    missing_data_issue,
+)
 from relax.spec.errors import SpecIssue
 from relax.spec.models import RunSpec
 from relax.spec.translate import did_you_mean
-
-DATA_FILE_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
 @dataclass
@@ -81,14 +87,6 @@ def rule(*reads: str, per_section: bool = False) -> Callable[[Check], Rule]:
     return wrap
 
 
-def dataset_plugin(source: str) -> tuple[str, dict[str, Any]]:
-    """The dataset plugin a ``data.*.source`` names, and options it implies (a file's path)."""
-    suffix = Path(source).suffix.lower()
-    if suffix in DATA_FILE_SUFFIXES:
-        return DATA_FILE_SUFFIXES[suffix], {"path": source}
-    return source, {}
-
-
 def advantage_and_loss(spec: RunSpec) -> tuple[str | None, str | None]:
     """The advantage and loss plugin names the algorithm section resolves to."""
     recipe = ALGORITHMS.get(spec.algorithm.name)
@@ -119,6 +117,8 @@ def plugin_uses(spec: RunSpec) -> Iterator[tuple[PluginKind, str, dict[str, Any]
     agent = spec.roles.rollout.agent
     if agent is not None and agent.environment is not None:
         yield PluginKind.environments, agent.environment, agent.environment_options, "roles.rollout.agent"
+    for i, logger in enumerate(spec.logging):
+        yield PluginKind.loggers, logger.name, logger.options, f"logging[{i}]"
 
 
 def _name_path(kind: PluginKind, path: str) -> str:
@@ -131,6 +131,7 @@ def _name_path(kind: PluginKind, path: str) -> str:
         PluginKind.losses: "loss",
         PluginKind.modalities: "",
         PluginKind.environments: "environment",
+        PluginKind.loggers: "name",
     }[kind]
     return f"{path}.{suffix}" if suffix else path
 
@@ -147,7 +148,7 @@ def _options_path(kind: PluginKind, path: str) -> str:
     return f"{path}.options"
 
 
-@rule("rewards", "data", "roles", "algorithm", per_section=True)
+@rule("rewards", "data", "roles", "algorithm", "logging", per_section=True)
 def check_plugins(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Every named plugin is installed, loads, and accepts its options."""
     for kind, name, options, path in plugin_uses(spec):
@@ -160,15 +161,10 @@ def check_plugins(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
             yield SpecIssue(_name_path(kind, path), str(exc), hint)
             continue
         if kind is PluginKind.datasets and "path" in options:
-            yield from _check_data_file(Path(str(options["path"])), ctx, f"{path}.source")
+            source = str(options["path"])
+            if (issue := missing_data_issue(source, data_path(source, ctx.base_dir), f"{path}.source")) is not None:
+                yield issue
         yield from ctx.registry.validate_options(kind, name, options, _options_path(kind, path))
-
-
-def _check_data_file(path: Path, ctx: RuleContext, spec_path: str) -> Iterator[SpecIssue]:
-    resolved = path if path.is_absolute() else ctx.base_dir / path
-    if not resolved.is_file():
-        yield SpecIssue(spec_path, f"data file {path} does not exist (looked at {resolved})",
-                        "give an existing file; relative paths are taken from the spec's folder")
 
 
 def _token_needs(estimator: type | None) -> frozenset[str]:
@@ -476,7 +472,7 @@ def check_media_files(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
         source = getattr(spec.data, split)
         if source is None or Path(source.source).suffix.lower() not in (".jsonl", ".json"):
             continue
-        data_file = Path(source.source) if Path(source.source).is_absolute() else ctx.base_dir / source.source
+        data_file = data_path(source.source, ctx.base_dir)
         if not data_file.is_file():
             continue  # reported by check_plugins
         with open(data_file, encoding="utf-8") as handle:
@@ -738,68 +734,6 @@ def check_router_replay(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             f"{' or '.join([*supported, 'off'])}")
 
 
-#: Rows of a data file whose columns validation reads (enough to catch a misnamed column).
-DATA_ROWS_CHECKED = 20
-
-
-def _data_file_columns(data_file: Path, spec_path: str) -> tuple[list[set[str]] | None, list[SpecIssue]]:
-    """The column names of a data file's first rows (one set per row), or None when they cannot
-    be read here (a Parquet file without pyarrow); malformed rows are issues naming their line."""
-    import json
-
-    suffix = data_file.suffix.lower()
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            return None, []  # the run says pyarrow is needed; validation cannot look inside
-        try:
-            return [set(pq.read_schema(data_file).names)], []
-        except Exception as exc:  # pyarrow raises its own error types
-            return None, [SpecIssue(spec_path, f"{data_file} is not a readable Parquet file ({exc})",
-                                    "give a Parquet file, or convert the data to .jsonl")]
-    if suffix == ".json":  # a list of objects (the jsonl plugin reads .json so)
-        try:
-            rows = json.loads(data_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            line = f"line {exc.lineno}: " if isinstance(exc, json.JSONDecodeError) else ""
-            return [], [SpecIssue(spec_path, f"{data_file}: {line}invalid JSON ({getattr(exc, 'msg', exc)})",
-                                  "fix the file, or use one JSON object per line (.jsonl)")]
-        if not isinstance(rows, list):
-            return [], [SpecIssue(spec_path, f"{data_file} holds a {type(rows).__name__}, not a list of objects",
-                                  "make it a JSON list of objects, or use one JSON object per line (.jsonl)")]
-        columns, issues = [], []
-        for i, row in enumerate(rows[:DATA_ROWS_CHECKED]):
-            if isinstance(row, dict):
-                columns.append(set(row))
-            else:
-                issues.append(SpecIssue(spec_path, f"{data_file}: item {i} is a {type(row).__name__}, not an object",
-                                        "every row must be a JSON object"))
-        return columns, issues
-    columns, issues = [], []
-    with open(data_file, encoding="utf-8", errors="replace") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if len(columns) + len(issues) >= DATA_ROWS_CHECKED:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                issues.append(SpecIssue(spec_path, f"{data_file}: line {lineno} is not valid JSON ({exc.msg} at "
-                                        f"column {exc.colno})", "each line must be one JSON object"))
-                continue
-            if not isinstance(row, dict):
-                issues.append(SpecIssue(spec_path, f"{data_file}: line {lineno} is a {type(row).__name__}, not an "
-                                        "object", "each line must be one JSON object"))
-                continue
-            columns.append(set(row))
-    if not columns and not issues:
-        issues.append(SpecIssue(spec_path, f"data file {data_file} has no rows",
-                                "give a file with one JSON object per line"))
-    return columns, issues
-
-
 def _wanted_columns(spec: RunSpec) -> list[tuple[str, str, bool, bool]]:
     """(path of the key in the spec, column, whether every row must have it, whether the data must
     have it at all): the prompt is read from every row; a reward route or a media cell may be
@@ -825,11 +759,10 @@ def check_data_columns(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
         name, implied = dataset_plugin(source.source)
         where = f"data.{split}.source"
         if "path" in implied:
-            data_file = Path(source.source).expanduser()
-            data_file = data_file if data_file.is_absolute() else ctx.base_dir / data_file
-            if not data_file.is_file():
+            data_file = data_path(source.source, ctx.base_dir)
+            if missing_data_issue(source.source, data_file, where) is not None:
                 continue  # reported by check_plugins
-            rows, issues = _data_file_columns(data_file, where)
+            rows, issues = data_columns(data_file, source.source, where)
             yield from issues
             if not rows:
                 continue
@@ -953,6 +886,37 @@ def check_tracing(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
 
 #: What a spec means: ``relax plan`` lays out a spec that passes them, in order (``check_plugins``
 #: first: the rules after it consult the plugin classes it loads).
+#: A chat template file larger than this is not a template (a model's own are a few KiB).
+MAX_CHAT_TEMPLATE_BYTES = 1024 * 1024
+
+
+@rule("data")
+def check_chat_template(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """A ``data.chat_template`` file exists (``~`` expanded, relative to the spec's folder), is
+    small UTF-8 text and parses as a Jinja template (parsed, never rendered, here)."""
+    template = spec.data.chat_template
+    if template in ("auto", "none"):
+        return
+    path = data_path(template, ctx.base_dir)
+    if not path.is_file():
+        yield SpecIssue("data.chat_template", f"'{template}' is neither auto, none nor an existing file "
+                        f"(looked at {path})", "give auto, none, or a Jinja template file relative to the spec's folder")
+        return
+    if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+        yield SpecIssue("data.chat_template", f"{path} is larger than {MAX_CHAT_TEMPLATE_BYTES} bytes",
+                        "give a chat template file (a Jinja template of a few KiB)")
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        yield SpecIssue("data.chat_template", f"{path} is not UTF-8 text", "save the template as UTF-8")
+    except jinja2.TemplateSyntaxError as exc:
+        yield SpecIssue("data.chat_template", f"{path}: line {exc.lineno}: not a valid Jinja template ({exc.message})",
+                        "fix the template's syntax")
+
+
 RULES: tuple[Rule, ...] = (
     check_plugins,
     check_algorithm,
@@ -961,6 +925,7 @@ RULES: tuple[Rule, ...] = (
     check_parallel,
     check_modalities,
     check_data_columns,
+    check_chat_template,
     check_media_files,
     check_rewards,
     check_rollout_scaling,

@@ -15,8 +15,11 @@ SCHEMA_ID = "https://relax.dev/schemas/run-spec.schema.json"
 
 
 def run_spec_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a run spec."""
-    schema = RunSpec.model_json_schema()
+    """The JSON Schema (draft 2020-12) of a run spec, with the shipped plugins' options
+    (``relax.spec.plugin_schema``)."""
+    from relax.spec.plugin_schema import add_plugin_options
+
+    schema = add_plugin_options(RunSpec.model_json_schema())
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **schema}
 
 
@@ -53,10 +56,11 @@ def _section(title: str, model: dict[str, Any], defs: dict[str, Any], seen: set[
     out += [f"## `{title}`", "", model.get("description", "").strip(), "",
             "| key | type | default | constraints | meaning |", "| --- | --- | --- | --- | --- |"]
     nested: list[tuple[str, str]] = []
+    required = set(model.get("required", ()))
     for key, prop in model.get("properties", {}).items():
-        default = json.dumps(prop["default"]) if "default" in prop else "required"
         desc = " ".join(prop.get("description", "").split())
-        out.append(f"| `{key}` | {_type_of(prop, defs)} | `{default}` | {_constraints(prop)} | {desc} |")
+        out.append(f"| `{key}` | {_type_of(prop, defs)} | {_default_cell(key, prop, required)} | "
+                   f"{_constraints(prop)} | {desc} |")
         for ref in _refs(prop):
             nested.append((f"{title}.{key}", ref))
     out.append("")
@@ -64,6 +68,17 @@ def _section(title: str, model: dict[str, Any], defs: dict[str, Any], seen: set[
         if ref not in seen:
             seen.add(ref)
             _section(f"{path}", defs[ref], defs, seen, out)
+
+
+def _default_cell(key: str, prop: dict[str, Any], required: set[str]) -> str:
+    """The default column: the value, **required** for a key the spec must give, and for a key
+    whose default is built when the spec leaves it out (a section, a list) the word optional: the
+    JSON Schema carries no value for those, but they are no less optional."""
+    if "default" in prop:
+        return f"`{json.dumps(prop['default'])}`"
+    if key in required:
+        return "**required**"
+    return "optional (its defaults below)" if "$ref" in prop else "optional"
 
 
 def _refs(prop: dict[str, Any]) -> list[str]:

@@ -77,6 +77,36 @@ def resolve_architecture(
                             "give an existing model folder, an id like Qwen/Qwen3-4B, or builtin:tiny-lm")]
 
 
+#: Files of which a Hugging Face model folder needs one for its tokenizer to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def model_folder_issues(model_path: str, base_dir: Path) -> list[SpecIssue]:
+    """What ``relax run`` would otherwise find only after start-up: a model folder without tokenizer
+    files, and a path that looks like a hub id (``models/my-model``) but is no folder here and no
+    shipped card names (a mistyped folder: nothing is downloaded for it)."""
+    if model_path.startswith(BUILTIN_PREFIX):
+        return []
+    try:
+        folder = Path(model_path).expanduser()
+    except RuntimeError:
+        return []  # reported by resolve_architecture
+    folder = folder if folder.is_absolute() else base_dir / folder
+    if folder.is_dir():
+        if (folder / "config.json").is_file() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return [SpecIssue("model.path", f"model folder {folder} has no tokenizer files (none of "
+                                            f"{', '.join(TOKENIZER_FILES)})",
+                              "save the tokenizer beside the weights: tokenizer.save_pretrained(folder)")]
+        return []
+    if _HUB_ID.match(model_path) and load_card(model_path) is None:
+        return [SpecIssue("model.path", f"no such folder: {folder}; Relax never downloads a model, and no "
+                                        f"shipped model card names '{model_path}'",
+                          "fix the folder's name (relative paths are taken from the spec's folder), or "
+                          f"download the model first (hf download {model_path} --local-dir <folder>) and give "
+                          "that folder")]
+    return []
+
+
 def validate_spec(
     raw: dict[str, Any], *, base_dir: Path | None = None, registry: Registry | None = None,
     runnable: bool = False,
@@ -137,6 +167,8 @@ def rule_issues(spec: RunSpec, *, base_dir: Path, registry: Registry, broken: fr
     architecture = None
     if "model" not in broken:
         architecture, issues = resolve_architecture(spec.model.path, base_dir, registry, spec.model.options)
+        if runnable and not issues:
+            issues = model_folder_issues(spec.model.path, base_dir)
     ctx = RuleContext(registry=registry, base_dir=base_dir, architecture=architecture)
     for check in rules_to_run(runnable):
         if check.per_section:

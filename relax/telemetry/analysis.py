@@ -10,9 +10,15 @@ Definitions (per trace):
 
 - **window**: the ``relax.run`` span; when it is missing (the driver was killed), the first
   start to the last end of the trace's spans.
+- **start-up**: from the window's start to the first span of the trace's work (the first
+  ``relax.step`` or work span): Ray, the placement and the workers coming up. It is nobody's idle
+  time, so it is reported on its own and left out of every role's idle time.
 - **busy time of a role**: the length of the union of its work spans (every span but
-  ``relax.run`` and ``relax.step``, by their ``relax.role``), clipped to the window, so nested
-  spans are not counted twice. **Idle** = window - busy.
+  ``relax.run`` and ``relax.step``, by their ``relax.role``), clipped to the window after start-up,
+  so nested spans are not counted twice. **Idle** = window - start-up - busy.
+- **steps** are numbered as ``metrics.jsonl`` numbers them, from 1: the span attribute
+  ``relax.step`` holds the step the work is for, counted from 0 (step t's row in metrics.jsonl is
+  ``t + 1``, the optimizer steps done), so ``relax trace`` and the timeline show ``t + 1``.
 - **overlap**: the length of the intersection of the union of ``relax.rollout.batch`` intervals
   with the union of ``relax.actor.train_step`` intervals: time during which samples were being
   generated while the policy was being trained. It is 0 when the two strictly alternate
@@ -125,7 +131,7 @@ class TraceSummary:
     start_ns: int
     wall_s: float
     steps: list[int]
-    """Steps with a ``relax.step`` span."""
+    """Steps with a ``relax.step`` span, numbered from 1 as in metrics.jsonl."""
     spans: int
     roles: dict[str, RoleTime] = field(default_factory=dict)
     rollout_s: float = 0.0
@@ -133,6 +139,8 @@ class TraceSummary:
     overlap_s: float = 0.0
     staleness_max: int | None = None
     errors: int = 0
+    startup_s: float = 0.0
+    """From the window's start to the first work: not counted as any role's idle time."""
 
     @property
     def overlap_share_of_train(self) -> float:
@@ -158,6 +166,9 @@ def summarize(spans: Sequence[dict[str, Any]]) -> TraceSummary:
         root = None
         window = (min(s["start"] for s in spans), max(s["end"] for s in spans))
     wall = window[1] - window[0]
+    framed = [s["start"] for s in spans if s["name"] != RUN]
+    first_work = min(max(min(framed), window[0]), window[1]) if framed else window[0]
+    working = (first_work, window[1])
     work: dict[str, list[Interval]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
     rollout: list[Interval] = []
@@ -178,8 +189,8 @@ def summarize(spans: Sequence[dict[str, Any]]) -> TraceSummary:
                 staleness.append(int(span["attributes"][ATTR_STALENESS]))
     roles = {}
     for role in sorted(work):
-        busy = total_length(merge_intervals(clip(work[role], window)))
-        roles[role] = RoleTime(role, busy / NS, (wall - busy) / NS, counts[role])
+        busy = total_length(merge_intervals(clip(work[role], working)))
+        roles[role] = RoleTime(role, busy / NS, (working[1] - working[0] - busy) / NS, counts[role])
     rollout_u, train_u = merge_intervals(clip(rollout, window)), merge_intervals(clip(train, window))
     any_span = root or spans[0]
     return TraceSummary(
@@ -188,7 +199,7 @@ def summarize(spans: Sequence[dict[str, Any]]) -> TraceSummary:
         complete=root is not None,
         start_ns=window[0],
         wall_s=wall / NS,
-        steps=sorted({int(s["attributes"][ATTR_STEP]) for s in spans
+        steps=sorted({int(s["attributes"][ATTR_STEP]) + 1 for s in spans
                       if s["name"] == STEP and ATTR_STEP in s.get("attributes", {})}),
         spans=len(spans),
         roles=roles,
@@ -197,6 +208,7 @@ def summarize(spans: Sequence[dict[str, Any]]) -> TraceSummary:
         overlap_s=intersection_length(rollout_u, train_u) / NS,
         staleness_max=max(staleness) if staleness else None,
         errors=sum(1 for s in spans if s.get("status") == "ERROR"),
+        startup_s=(first_work - window[0]) / NS,
     )
 
 
@@ -222,6 +234,7 @@ def render_summary(summaries: Sequence[TraceSummary]) -> str:
             + f"  spans {summary.spans}"
             + ("" if summary.complete else "  [no relax.run span: the driver did not finish]")
             + (f"  errors {summary.errors}" if summary.errors else ""),
+            f"  start-up {summary.startup_s:.2f} s before the first step's work (not counted as idle)",
             f"  {'role':<12}{'busy s':>9}{'idle s':>9}{'busy':>8}{'spans':>7}",
         ]
         for r in summary.roles.values():
@@ -281,7 +294,7 @@ def to_chrome_trace(spans: Sequence[dict[str, Any]]) -> dict[str, Any]:
             args = dict(span.get("attributes", {}))
             args.update(span_id=span["span_id"], parent_id=span.get("parent_id"), status=span.get("status"))
             if span["name"] == STEP:
-                step = args.get(ATTR_STEP, "?")
+                step = args[ATTR_STEP] + 1 if isinstance(args.get(ATTR_STEP), int) else "?"  # as metrics.jsonl
                 common = {"cat": "relax.step", "name": f"step {step}", "id": span["span_id"], "pid": pid,
                           "tid": pid_tid[1]}
                 events.append({**common, "ph": "b", "ts": us(span["start"]), "args": args})

@@ -10,6 +10,7 @@ Span tree of one run (one trace)::
     │   │       └── relax.agent.tool_call       the environment answering that turn
     │   ├── relax.weight_sync                   rollout loading / actor publishing weights
     │   ├── relax.reward.score                  reward worker
+    │   ├── relax.forward                       reference / actor_fwd: one forward pass for log-probs
     │   ├── relax.advantage.compute             advantage worker
     │   ├── relax.actor.train_step              actor worker; linked to the rollout batches it consumed
     │   └── relax.checkpoint                    actor worker
@@ -37,6 +38,9 @@ TRAIN_STEP: Final = "relax.actor.train_step"
 """The policy update of one step (after its data arrived)."""
 WEIGHT_SYNC: Final = "relax.weight_sync"
 """Publishing (actor) or loading (rollout) a policy version."""
+FORWARD: Final = "relax.forward"
+"""A forward-only role (``reference``, ``actor_fwd``) computing one step's log-probs; its
+``relax.role`` names which."""
 CHECKPOINT: Final = "relax.checkpoint"
 """Writing a checkpoint."""
 AGENT_TURN: Final = "relax.agent.turn"
@@ -61,7 +65,8 @@ ROLE_OF_SPAN: Final[dict[str, str]] = {
     CHECKPOINT: "actor",
 }
 #: Spans that are a role's work (busy time); ``relax.run`` and ``relax.step`` only frame them.
-WORK_SPANS: Final = frozenset({ROLLOUT_BATCH, REWARD_SCORE, ADVANTAGE_COMPUTE, TRAIN_STEP, WEIGHT_SYNC, CHECKPOINT})
+WORK_SPANS: Final = frozenset({ROLLOUT_BATCH, REWARD_SCORE, ADVANTAGE_COMPUTE, TRAIN_STEP, WEIGHT_SYNC, CHECKPOINT,
+                               FORWARD})
 
 # Span attributes.
 ATTR_STEP: Final = "relax.step"

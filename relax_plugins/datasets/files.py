@@ -1,11 +1,16 @@
-"""Data sets read from files: JSON lines / JSON (``jsonl``) and Parquet (``parquet``).
+"""Data sets read from local files: JSON lines / JSON (``jsonl``), Parquet (``parquet``), and through
+the ``datasets`` library CSV (``csv``), Arrow (``arrow``) and folders written by
+``Dataset.save_to_disk`` (``dataset_folder``).
 
-Each row is a JSON object (a dict) holding at least the spec's ``data.prompt_key`` and, for rewards
-that compare against a label, ``data.label_key``. Rows are read once, when the data set is built.
+Each row is a mapping holding at least the spec's ``data.prompt_key`` and, for rewards that compare
+against a label, ``data.label_key``. Rows are read once, when the data set is built. Nothing is
+downloaded: ``datasets`` reads the local file (``relax.spec.data_files`` says which source picks
+which plugin).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,9 @@ class _FileConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     path: str
-    """The file to read (relative paths are resolved against the working directory)."""
+    """The file to read. From ``data.*.source`` the run passes it with ``~`` expanded and a relative
+    path taken from the spec's folder; given here directly, a relative path is taken from the working
+    folder."""
     limit: int | None = Field(None, ge=1)
     """Read at most this many rows (all when null)."""
     prompt_key: str | None = None
@@ -107,7 +114,7 @@ class JsonlDataset:
 
 
 class ParquetDataset:
-    """Rows of a ``.parquet`` file (needs the optional ``pyarrow`` package)."""
+    """Rows of a ``.parquet`` file (read with pyarrow)."""
 
     class Config(_FileConfig):
         """Options of a Parquet data set."""
@@ -135,3 +142,113 @@ class ParquetDataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.rows[index]
+
+
+def _quiet_datasets() -> Any:
+    """The ``datasets`` module with its progress bars off (a run prints its own progress)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetFileError("reading this data needs the `datasets` package, which is not installed; "
+                               "run `pip install datasets`, or convert the file to .jsonl") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+class _LibraryDataset:
+    """Rows of a ``datasets.Dataset``, listed once (a data file of prompts fits in memory)."""
+
+    config: _FileConfig
+    path: Path
+
+    def _take(self, dataset: Any) -> None:
+        if self.config.limit:
+            dataset = dataset.select(range(min(self.config.limit, len(dataset))))
+        self.rows: list[dict[str, Any]] = dataset.to_list()
+        for i, row in enumerate(self.rows):
+            _check_prompt(row, self.config.prompt_key, f"{self.path}: row {i}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]
+
+
+class CsvDataset(_LibraryDataset):
+    """Rows of a ``.csv`` file with a header row (read by the ``datasets`` library's CSV builder).
+    Every cell is text, as written (a CSV file has no types: a label ``007`` stays ``"007"``, not
+    the number 7); an empty cell is null."""
+
+    class Config(_FileConfig):
+        """Options of a CSV data set."""
+
+    def __init__(self, config: CsvDataset.Config) -> None:
+        self.config = config
+        self.path = _existing(config.path, (".csv",))
+        datasets = _quiet_datasets()
+        try:
+            with open(self.path, encoding="utf-8", newline="") as handle:
+                header = next(csv.reader(handle), [])
+            text = datasets.Features({name: datasets.Value("string") for name in header})
+            dataset = datasets.load_dataset("csv", data_files=str(self.path), split="train", features=text,
+                                            keep_default_na=False, na_values=[""])
+        except Exception as exc:  # datasets wraps pandas/pyarrow errors in its own types
+            raise DatasetFileError(f"{self.path}: not a readable CSV file ({exc}); give a UTF-8 CSV file "
+                                   "whose first row names the columns") from None
+        self._take(dataset)
+
+
+class ArrowDataset(_LibraryDataset):
+    """Rows of an ``.arrow`` file: one written by ``datasets`` (an Arrow stream) or by pyarrow (the
+    Arrow file format)."""
+
+    class Config(_FileConfig):
+        """Options of an Arrow data set."""
+
+    def __init__(self, config: ArrowDataset.Config) -> None:
+        self.config = config
+        self.path = _existing(config.path, (".arrow",))
+        datasets = _quiet_datasets()
+        try:
+            dataset = datasets.Dataset.from_file(str(self.path))
+        except Exception:  # not a stream: the Arrow file format
+            import pyarrow as pa
+
+            try:
+                with pa.memory_map(str(self.path)) as source:
+                    dataset = datasets.Dataset(pa.ipc.open_file(source).read_all())
+            except Exception as exc:  # pyarrow raises its own error types
+                raise DatasetFileError(f"{self.path}: not a readable Arrow file ({exc})") from None
+        self._take(dataset)
+
+
+class DatasetFolder(_LibraryDataset):
+    """Rows of a folder written by ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: one
+    split of it)."""
+
+    class Config(_FileConfig):
+        """Options of a saved dataset folder."""
+
+        split: str = "train"
+        """The split to read when the folder holds a ``DatasetDict`` (ignored for a ``Dataset``)."""
+
+    def __init__(self, config: DatasetFolder.Config) -> None:
+        self.config = config
+        self.path = Path(config.path).expanduser()
+        if not self.path.is_dir():
+            raise DatasetFileError(f"data folder {self.path} does not exist; give a folder written by "
+                                   "Dataset.save_to_disk, or a .jsonl/.json/.csv/.parquet/.arrow file")
+        datasets = _quiet_datasets()
+        try:
+            dataset = datasets.load_from_disk(str(self.path))
+        except Exception as exc:  # FileNotFoundError and datasets' own errors
+            raise DatasetFileError(f"{self.path} is not a saved dataset folder ({exc}); give a folder "
+                                   "written by Dataset.save_to_disk") from None
+        if isinstance(dataset, datasets.DatasetDict):
+            if config.split not in dataset:
+                raise DatasetFileError(f"{self.path} has no split '{config.split}' (it has "
+                                       f"{', '.join(dataset)}); set data.train.options.split")
+            dataset = dataset[config.split]
+        self._take(dataset)

@@ -75,6 +75,9 @@ class HFRollout:
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
+        from relax_plugins.rollout.chat_template import PromptEncoder
+
+        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, self.max_prompt_tokens)
         dtype = getattr(torch, context.model.dtype)
         if self.media is not None:
             from relax_plugins.processing import load_policy_model, placeholder_token_ids
@@ -98,11 +101,9 @@ class HFRollout:
     # -- generation ---------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a prompt, cut from the left to ``data.max_prompt_tokens``."""
-        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
-        return ids[-self.max_prompt_tokens:]
+        """Token ids of a prompt: rendered by ``data.chat_template`` and cut from the left to
+        ``data.max_prompt_tokens`` (``relax_plugins.rollout.chat_template``)."""
+        return self.prompts(prompt)
 
     def generate(self, prompts: list[str], n: int, sampling: Any, seed: int,
                  media: list[list[Any]] | None = None) -> list[Generation]:

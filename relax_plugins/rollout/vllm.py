@@ -145,6 +145,9 @@ class VLLMRollout:
         self.max_model_len = config.max_model_len or self.max_prompt_tokens + after_prompt
         self._check_context(context)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        from relax_plugins.rollout.chat_template import PromptEncoder
+
+        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, int(context.max_prompt_tokens))
         self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(self.model_path)
@@ -313,11 +316,9 @@ class VLLMRollout:
     # -- generation ---------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a prompt, cut from the left to ``data.max_prompt_tokens`` (as ``hf`` does)."""
-        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} encodes to no tokens; every prompt needs at least one")
-        return ids[-self.max_prompt_tokens:]
+        """Token ids of a prompt: rendered by ``data.chat_template`` and cut from the left to
+        ``data.max_prompt_tokens``, as ``hf`` does (``relax_plugins.rollout.chat_template``)."""
+        return self.prompts(prompt)
 
     def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None,
                         prompt_tokens: int | None = None, streamed: bool = False) -> Any:

@@ -113,6 +113,7 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    staging.chmod(0o755)  # readable by others whatever the process's umask (files: save_pretrained's own)
     try:
         yield staging
         old = None

@@ -142,3 +142,78 @@ def test_validate_and_plan_import_no_heavy_library(command, preset):
     # validate counts this machine's GPUs (none here) without torch; plan shows the layout anyway
     gpu_validate = command == ["validate"] and preset not in CPU_PRESETS
     assert report["rc"] == (2 if gpu_validate else 0), result.stderr
+
+
+# -- relax plugins, completion, pipes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["reward", "rewards", "Rewards"])
+def test_plugins_kind_takes_singular_and_plural(relax, kind):
+    result = relax("plugins", "--kind", kind)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("rewards:\n")
+    assert "exact_match" in result.stdout and "losses:" not in result.stdout
+
+
+def test_plugins_kind_singular_of_an_ies_and_an_es_kind(relax):
+    assert relax("plugins", "--kind", "modality").stdout.startswith("modalities:\n")
+    assert relax("plugins", "--kind", "loss").stdout.startswith("losses:\n")
+
+
+def test_plugins_unknown_kind_exits_2_with_the_kinds(relax):
+    result = relax("plugins", "--kind", "rewardz")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "'rewardz' is not a plugin kind" in result.stderr
+    assert "rollout, trainer, rewards, advantages, losses" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plugins_show_option_types_and_defaults(relax):
+    table = relax("plugins", "--kind", "reward").stdout
+    assert "      strip (bool, default true): Strip leading" in table
+    assert "      stop (list[str], default [" in table
+    rows = {row["name"]: row for row in json.loads(relax("plugins", "--kind", "rewards", "--json").stdout)}
+    case = rows["exact_match"]["options"]["case_sensitive"]
+    assert case == {"type": "bool", "required": False, "default": False, "help": case["help"]}
+    assert case["help"].startswith("Compare letters with their case")
+
+
+def test_plugins_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``relax plugins | head -1``: the reader goes away; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "relax", "plugins"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=os.environ.copy())
+    assert proc.stdout.readline() == b"rollout:\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err
+    assert proc.returncode == 141  # the shell's status for a writer whose reader left (128 + SIGPIPE)
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_prints_the_shell_script(relax, shell):
+    result = relax("completion", shell)
+    assert result.returncode == 0, result.stderr
+    # argcomplete's script serves both shells: `complete` under bash, `compdef` under zsh
+    assert "_ARGCOMPLETE" in result.stdout
+    assert "complete -o nospace -o default -o bashdefault -F _python_argcomplete relax" in result.stdout
+    assert "compdef _python_argcomplete relax" in result.stdout
+
+
+def test_completion_answers_the_shell(tmp_path):
+    """What the script does on <TAB>: call relax with argcomplete's variables; relax answers."""
+    answer = tmp_path / "answer"
+    env = {**os.environ, "_ARGCOMPLETE": "1", "COMP_LINE": "relax pl", "COMP_POINT": "8",
+           "_ARGCOMPLETE_STDOUT_FILENAME": str(answer)}
+    subprocess.run([sys.executable, "-m", "relax"], env=env, cwd=ROOT, timeout=120, capture_output=True)
+    assert sorted(answer.read_text().split()) == ["plan", "plugins"]
+
+
+def test_spec_reference_marks_required_only_what_a_spec_must_give():
+    """A key with a default (a value, or a section built from its own defaults) is optional."""
+    from relax.spec.models import RunSpec
+
+    text = spec_reference_markdown()
+    top = text.split("## `spec`", 1)[1].split("\n## ", 1)[0]
+    required = {line.split("`")[1] for line in top.splitlines() if "| **required** |" in line}
+    assert required == {k for k, f in RunSpec.model_fields.items() if f.is_required()} == {"name"}
+    assert "| `trainer` | TrainerSpec | optional (its defaults below) |" in top
+    assert "`required`" not in text

@@ -44,14 +44,15 @@ def test_plugins_lists_it_with_its_distribution_and_options(relax, plugin_path):
         "rewards", "relax-reward-length", "0.1.0", "ok")
     assert row["target"] == "relax_reward_length.reward:LengthPenalty"
     assert set(row["options"]) == {"target_chars", "scale", "max_penalty", "strip"}
-    assert row["options"]["target_chars"].startswith("Longest response")
+    assert row["options"]["target_chars"]["help"].startswith("Longest response")
+    assert row["options"]["target_chars"]["type"] == "int"
 
 
 def test_plugins_table_shows_it(relax, plugin_path):
     result = relax("plugins", "--kind", "rewards", pythonpath=plugin_path)
     assert result.returncode == 0, result.stderr
     assert "length_penalty" in result.stdout and "relax-reward-length 0.1.0" in result.stdout
-    assert "target_chars:" in result.stdout
+    assert "target_chars (int, " in result.stdout
 
 
 def test_spec_naming_it_validates(relax, plugin_path):

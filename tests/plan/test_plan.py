@@ -313,3 +313,17 @@ def test_rows_go_through_the_bus_when_another_process_or_role_reads_them(overrid
     loops = _loops(plan)
     assert loops["advantage"].hands_to is None
     assert loops["actor"].takes_from is None and "advantages" in loops["actor"].waits_for
+
+
+def test_the_table_shows_what_each_role_keeps_on_each_device() -> None:
+    """docs/plan.md promises per-role memory contents: the table lists them under each device."""
+    raw, base = load_spec_dict("qwen3-4b-grpo-async", [])
+    plan = make_plan(validate_spec(raw, base_dir=base), base_dir=base)
+    lines = render(plan, "table").splitlines()
+    actor_gpu = next(d for d in plan.memory if d.roles == ["actor"])
+    row = next(i for i, line in enumerate(lines) if line.split()[:2] == [str(actor_gpu.node), f"gpu{actor_gpu.gpu}"])
+    held = {i.what: i.gib for i in actor_gpu.items if not i.transient}
+    freed = {i.what: i.gib for i in actor_gpu.items if i.transient}
+    assert set(held) == {"weights", "optimizer"} and "activations" in freed
+    assert lines[row + 1].strip() == ("actor: " + ", ".join(f"{k} {v:.2f}" for k, v in held.items())
+                                      + "; transient: " + ", ".join(f"{k} {v:.2f}" for k, v in freed.items()))

@@ -171,3 +171,37 @@ def test_yaml_is_loaded_safely(tmp_path):
     spec = write(tmp_path / "run.yaml", "name: !!python/object/apply:os.system ['echo pwned']\n")
     error = load_error(spec)
     assert "not valid YAML" in error.issues[0].message
+
+
+def test_own_data_on_top_of_a_preset_drops_the_presets_dataset_options(tmp_path):
+    (tmp_path / "my.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    spec = write(tmp_path / "run.yaml", "extends: tiny-cpu\nname: mine\ndata:\n  train: {source: my.jsonl}\n")
+    raw, base = load_spec_dict(spec)
+    assert raw["data"]["train"] == {"source": "my.jsonl"}  # {size: 4096} was arithmetic's
+    assert raw["data"]["prompt_key"] == "prompt"  # the rest of data still merges
+    from relax.spec import validate_spec
+    assert validate_spec(raw, base_dir=base).data.train.options == {}
+
+
+def test_the_same_plugin_keeps_merging_its_options(tmp_path):
+    spec = write(tmp_path / "run.yaml", "extends: tiny-cpu\nname: mine\n"
+                                        "data: {train: {source: 'synthetic:arithmetic', options: {seed: 3}}}\n")
+    raw, _ = load_spec_dict(spec)
+    assert raw["data"]["train"]["options"] == {"size": 4096, "seed": 3}
+
+
+@pytest.mark.parametrize("empty", ["{}", "null"])
+def test_an_empty_mapping_or_null_in_a_child_replaces_the_parents(tmp_path, empty):
+    spec = write(tmp_path / "run.yaml", f"extends: tiny-cpu\nname: mine\ndata: {{train: {{options: {empty}}}}}\n")
+    raw, _ = load_spec_dict(spec)
+    assert raw["data"]["train"]["source"] == "synthetic:arithmetic"
+    assert raw["data"]["train"]["options"] in ({}, None)
+
+
+def test_another_backend_drops_the_parents_backend_options(tmp_path):
+    parent = write(tmp_path / "base.yaml", "name: b\nroles: {rollout: {backend: hf, options: {threads: 2}}}\n")
+    child = write(tmp_path / "run.yaml", f"extends: {parent.name}\nroles: {{rollout: {{backend: vllm}}}}\n")
+    raw, _ = load_spec_dict(child)
+    assert raw["roles"]["rollout"] == {"backend": "vllm"}
+    same = write(tmp_path / "same.yaml", f"extends: {parent.name}\nroles: {{rollout: {{backend: hf, replicas: 2}}}}\n")
+    assert load_spec_dict(same)[0]["roles"]["rollout"]["options"] == {"threads": 2}

@@ -122,10 +122,37 @@ def test_chrome_trace_has_a_track_per_process_and_flows_for_links():
     assert first_rollout["args"]["relax.step"] == 0
 
     steps = [e for e in events if e.get("cat") == "relax.step"]
-    assert sorted((e["ph"], e["name"]) for e in steps) == [("b", "step 0"), ("b", "step 1"), ("e", "step 0"),
-                                                           ("e", "step 1")]
+    # numbered as metrics.jsonl numbers them: the work for step 0 is row 1
+    assert sorted((e["ph"], e["name"]) for e in steps) == [("b", "step 1"), ("b", "step 2"), ("e", "step 1"),
+                                                           ("e", "step 2")]
     starts = {e["id"]: e for e in events if e["ph"] == "s"}
     ends = {e["id"]: e for e in events if e["ph"] == "f"}
     assert len(starts) == 2 and starts.keys() == ends.keys()
     for flow_id, start in starts.items():
         assert threads[start["tid"]].startswith("rollout") and threads[ends[flow_id]["tid"]].startswith("actor")
+
+
+def test_start_up_is_not_idle_and_steps_count_from_1_as_in_metrics():
+    """The run starts at 0; its workers come up until 3, when step 0's work starts: those 3 s are
+    the start-up, reported on their own, not idle time of every role."""
+    spans = run_of(rollout=[(3, 5), (5, 7)], train=[(5, 6), (7, 8)], wall=(0, 10))
+    spans += [record(STEP, 3, 6, "controller", step=0, span_id="s0"),
+              record(STEP, 5, 8, "controller", step=1, span_id="s1")]
+    summary = summarize(spans)
+    assert summary.startup_s == pytest.approx(3.0) and summary.wall_s == pytest.approx(10.0)
+    assert summary.roles["rollout"].busy_s == pytest.approx(4.0)
+    assert summary.roles["rollout"].idle_s == pytest.approx(3.0)  # 7..10, not 0..3
+    assert summary.roles["actor"].idle_s == pytest.approx(5.0)
+    assert summary.steps == [1, 2]
+    text = render_summary([summary])
+    assert "steps 2 (1..2)" in text and "start-up 3.00 s before the first step's work" in text
+
+
+def test_forward_roles_are_counted_under_their_own_names():
+    from relax.telemetry import FORWARD
+
+    spans = run_of(rollout=[(0, 2)], train=[(3, 5)], wall=(0, 6))
+    spans.append(record(FORWARD, 2, 2.5, "reference", step=0, process="actor"))
+    summary = summarize(spans)
+    assert summary.roles["reference"].busy_s == pytest.approx(0.5)
+    assert "reference" in render_summary([summary])

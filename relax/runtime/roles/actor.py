@@ -14,7 +14,7 @@ import torch
 from relax.algo.batch import TrainBatch
 from relax.plan.model import RoleWiring
 from relax.roles import Role
-from relax.runtime.checkpoint import save_checkpoint
+from relax.runtime.checkpoint import export_model, save_checkpoint
 from relax.bus.records import BusBatch, RowMeta
 from relax.runtime.health import Activity
 from relax.runtime.metrics import mismatch_alarm
@@ -114,10 +114,15 @@ class ActorLoop:
         t4 = time.perf_counter()
         every = settings.checkpoint_every
         checkpoint_s = 0.0
+        saved = None
         if (every and self.version % every == 0) or self.version == settings.steps:
             with tel.span(CHECKPOINT, step=step, policy_version=self.version):
-                save_checkpoint(env.output_dir, self.version, self.trainer, settings.keep_checkpoints)
-            checkpoint_s = time.perf_counter() - t4
+                saved = save_checkpoint(env.output_dir, self.version, self.trainer, settings.keep_checkpoints)
+        export = settings.export_every
+        if export and (self.version % export == 0 or self.version == settings.steps):
+            with tel.span(CHECKPOINT, step=step, policy_version=self.version, export=True):
+                export_model(env.output_dir, self.version, self.trainer, checkpoint=saved)
+        checkpoint_s = time.perf_counter() - t4 if saved is not None or export else 0.0
         return {"data_wait_s": t1 - t0, "collate_s": t2 - t1, "train_s": t3 - t2, "publish_s": t4 - t3,
                 "checkpoint_s": checkpoint_s, "staleness_max": max(lags), "samples": len(ids),
                 "samples_hash": hashlib.sha1(repr(ids).encode()).hexdigest()[:12],

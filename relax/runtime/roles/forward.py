@@ -20,7 +20,7 @@ from relax.roles import Column, Role
 from relax.runtime.role_env import RoleEnv
 from relax.runtime.rows import token_column
 from relax.runtime.weight_channels import WeightChannel
-from relax.telemetry import WEIGHT_SYNC
+from relax.telemetry import FORWARD, WEIGHT_SYNC
 
 
 class ForwardLoop:
@@ -54,7 +54,8 @@ class ForwardLoop:
         batch = env.take(step, self.after, self.fields, self.role)
         got = time.perf_counter()
         packed = TrainBatch.from_bus(batch)
-        logprobs = self.backend.compute_logprobs(packed)
+        with env.telemetry.span(FORWARD, step=step, role=self.role, samples=packed.batch_size):
+            logprobs = self.backend.compute_logprobs(packed)
         computed = time.perf_counter()
         env.bus.write_fields(batch, {self.column: token_column(packed, logprobs)})
         env.announce(step, self.column)
