@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from relax.config.bounded_yaml import LimitExceeded, load_json, load_yaml, read_text_within
+from relax.config.overrides import PLUGIN_OPTION_KEYS
 from relax.spec.errors import SpecError, SpecIssue
 
 #: Folders searched for ``extends: <name>`` besides the spec's own folder.
@@ -116,21 +117,6 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> DictConfig:
                                    f"use a path or one of the presets: {', '.join(list_presets())}")]) from None
     base = _load_tree(parent_path.resolve(), (*chain, path))
     return merge_child(base, node)
-
-
-#: In a mapping that names a plugin, the key naming it and the key holding its options. When a
-#: file in an ``extends`` chain names another plugin than its parent does, the parent's options
-#: are dropped: they were written for the other plugin (``options: {size: 4096}`` of
-#: ``synthetic:arithmetic`` mean nothing to a ``.jsonl`` file).
-PLUGIN_OPTION_KEYS: tuple[tuple[str, str], ...] = (
-    ("source", "options"),                    # data.train, data.eval
-    ("name", "options"),                      # rewards (lists are replaced whole anyway)
-    ("path", "options"),                      # model: builtin:<name> options
-    ("backend", "options"),                   # roles.rollout, roles.actor, ...
-    ("environment", "environment_options"),   # roles.rollout.agent
-    ("advantage", "advantage_options"),       # algorithm
-    ("loss", "loss_options"),                 # algorithm
-)
 
 
 def _replace_marks(base: DictConfig, child: DictConfig) -> None:

@@ -41,6 +41,20 @@ from pydantic import BaseModel
 from relax.config.bounded_yaml import LimitExceeded, Limits, check_json_shape
 from relax.spec.errors import SpecError, SpecIssue
 
+#: In a mapping that names a plugin, the key naming it and the key holding its options. When a
+#: file in an ``extends`` chain names another plugin than its parent does, the parent's options
+#: are dropped: they were written for the other plugin (``options: {size: 4096}`` of
+#: ``synthetic:arithmetic`` mean nothing to a ``.jsonl`` file).
+PLUGIN_OPTION_KEYS: tuple[tuple[str, str], ...] = (
+    ("source", "options"),                    # data.train, data.eval
+    ("name", "options"),                      # rewards (lists are replaced whole anyway)
+    ("path", "options"),                      # model: builtin:<name> options
+    ("backend", "options"),                   # roles.rollout, roles.actor, ...
+    ("environment", "environment_options"),   # roles.rollout.agent
+    ("advantage", "advantage_options"),       # algorithm
+    ("loss", "loss_options"),                 # algorithm
+)
+
 #: An override longer than this is not a command-line value (the spec file holds large ones).
 MAX_OVERRIDE_CHARS = 64 * 1024
 #: What every form of an override looks like, for messages about a malformed one.
@@ -242,10 +256,8 @@ def _delete(cfg: DictConfig, override: Override) -> None:
 
 def _drop_other_plugins_options(cfg: DictConfig, key: str, value: Any) -> None:
     """An override naming another plugin (``data.train.source=my.jsonl``) drops the options beside
-    it, as a child file in an ``extends`` chain does (``relax.config.loader.PLUGIN_OPTION_KEYS``):
+    it, as a child file in an ``extends`` chain does (``PLUGIN_OPTION_KEYS``):
     they were the other plugin's. Options given by a later override still apply."""
-    from relax.config.loader import PLUGIN_OPTION_KEYS
-
     parent_key, _, last = key.rpartition(".")
     parent = _present(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig):

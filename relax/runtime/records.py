@@ -93,3 +93,22 @@ class StepReport:
     step: int
     name: str
     stats: dict[str, Any]
+
+
+class RoleFailure(RuntimeError):
+    """A role's failure as a worker raises it to the controller: the cause on the first line, the
+    traceback after it. ``stops_run`` marks a failure that would repeat on any retry (a worker that
+    cannot start, a reward plugin that breaks its contract or fails under ``on_error: fail``): the
+    controller stops the run at once instead of spending the role's restart budget on it."""
+
+    def __init__(self, message: str, stops_run: bool = False) -> None:
+        super().__init__(message)
+        self.stops_run = stops_run
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it to the driver: keep the flag
+        return (RoleFailure, (self.args[0], self.stops_run))
+
+    @property
+    def headline(self) -> str:
+        """The cause alone (its first line)."""
+        return self.args[0].splitlines()[0] if self.args and self.args[0] else "unknown failure"

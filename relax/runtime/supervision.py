@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from relax.runtime.deploy import Slot, alive_nodes
-from relax.runtime.records import RunStatus
+from relax.runtime.records import RoleFailure, RunStatus
 
 #: How often the controller looks at its workers (ended tasks, heartbeats, scale requests).
 SUPERVISE_S = 0.5
@@ -34,25 +34,6 @@ class ResumeRun(Exception):
     def __init__(self, roles: list[str], reason: str) -> None:
         super().__init__(reason)
         self.roles, self.reason = roles, reason
-
-
-class RoleFailure(RuntimeError):
-    """A role's failure as a worker raises it to the controller: the cause on the first line, the
-    traceback after it. ``stops_run`` marks a failure that would repeat on any retry (a worker that
-    cannot start, a reward plugin that breaks its contract or fails under ``on_error: fail``): the
-    controller stops the run at once instead of spending the role's restart budget on it."""
-
-    def __init__(self, message: str, stops_run: bool = False) -> None:
-        super().__init__(message)
-        self.stops_run = stops_run
-
-    def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it to the driver: keep the flag
-        return (RoleFailure, (self.args[0], self.stops_run))
-
-    @property
-    def headline(self) -> str:
-        """The cause alone (its first line)."""
-        return self.args[0].splitlines()[0] if self.args and self.args[0] else "unknown failure"
 
 
 def start_failure(holder: str, exc: BaseException) -> str:

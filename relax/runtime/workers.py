@@ -30,7 +30,7 @@ from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
 from relax.runtime.run_state import partition_of
 from relax.runtime.scoring import RewardError
-from relax.runtime.supervision import RoleFailure
+from relax.runtime.records import RoleFailure
 from relax.runtime.startup import InBackground
 from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
 from relax.plan.model import RolloutWork, RunSettings, WorkerPlan

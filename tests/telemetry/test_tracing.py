@@ -288,7 +288,7 @@ def test_two_processes_join_one_trace_through_the_jsonl_file(tmp_path):
         (link,) = span["links"]
         assert by_id[link["span_id"]]["name"] == ROLLOUT_BATCH
         assert by_id[link["span_id"]]["attributes"]["relax.step"] == span["attributes"]["relax.step"]
-    assert summarize(spans).steps == [0, 1]
+    assert summarize(spans).steps == [1, 2]  # numbered from 1, as in metrics.jsonl (the spans' relax.step is 0-based)
     tids = {e["tid"] for e in to_chrome_trace(spans)["traceEvents"] if e["ph"] == "X"}
     assert len(tids) == 3  # controller, rollout (child process), actor
 
