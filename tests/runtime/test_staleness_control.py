@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relax.runtime.staleness import StalenessController
+from relax.runtime.staleness import RETRY_STEPS, StalenessController
 from relax.spec.models import AutoStalenessSpec
 
 
@@ -15,10 +15,21 @@ def row(kl: float | None, wait_s: float, step_s: float = 1.0, bound: int | None 
     return out
 
 
-def test_it_widens_while_the_rollout_is_the_bottleneck_and_the_drift_is_small_up_to_max():
+def test_it_widens_while_the_rollout_is_the_bottleneck_the_drift_is_small_and_it_pays_up_to_max():
     control = StalenessController(AutoStalenessSpec(start=1, max=3, kl_budget=0.02, hold_steps=2))
-    bounds = [control.update(row(0.001, wait_s=0.5)) for _ in range(8)]
-    assert bounds == [1, 2, 2, 3, 3, 3, 3, 3]  # one notch per hold of two steps, capped at max
+    bounds = []
+    for _ in range(10):  # each wider bound makes the steps faster: 1 s at bound 1, 0.5 s at 2, 0.33 s at 3
+        step_s = 1.0 / control.bound
+        bounds.append(control.update(row(0.001, wait_s=0.5 * step_s, step_s=step_s, bound=control.bound)))
+    assert bounds == [1, 2, 2, 3, 3, 3, 3, 3, 3, 3]  # one notch per hold of two steps, capped at max
+
+
+def test_a_wider_bound_that_buys_no_speed_is_undone_and_tried_again_later():
+    control = StalenessController(AutoStalenessSpec(start=1, max=4, kl_budget=0.02, hold_steps=2))
+    bounds = [control.update(row(0.001, wait_s=0.5, step_s=1.0, bound=control.bound)) for _ in range(6)]
+    assert bounds == [1, 2, 2, 1, 1, 1]  # 2 was no faster: back to 1, now the ceiling
+    later = [control.update(row(0.001, wait_s=0.5, step_s=1.0, bound=control.bound)) for _ in range(RETRY_STEPS)]
+    assert later[:RETRY_STEPS - 3] == [1] * (RETRY_STEPS - 3) and 2 in later  # tried again once the ceiling lapsed
 
 
 def test_it_keeps_the_bound_when_the_trainer_is_the_bottleneck_or_the_drift_is_near_the_budget():
