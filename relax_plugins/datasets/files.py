@@ -113,7 +113,25 @@ class JsonlDataset:
         return self.rows[index]
 
 
-class ParquetDataset:
+class _TableRows:
+    """Rows listed once from a table (a data file of prompts fits in memory), each prompt checked."""
+
+    config: _FileConfig
+    path: Path
+
+    def _keep(self, rows: list[dict[str, Any]]) -> None:
+        for i, row in enumerate(rows):
+            _check_prompt(row, self.config.prompt_key, f"{self.path}: row {i}")
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]
+
+
+class ParquetDataset(_TableRows):
     """Rows of a ``.parquet`` file (read with pyarrow)."""
 
     class Config(_FileConfig):
@@ -133,15 +151,7 @@ class ParquetDataset:
             raise DatasetFileError(f"{self.path}: not a readable Parquet file ({exc})") from None
         if self.config.limit:
             table = table.slice(0, self.config.limit)
-        self.rows: list[dict[str, Any]] = table.to_pylist()
-        for i, row in enumerate(self.rows):
-            _check_prompt(row, self.config.prompt_key, f"{self.path}: row {i}")
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.rows[index]
+        self._keep(table.to_pylist())
 
 
 def _quiet_datasets() -> Any:
@@ -156,24 +166,13 @@ def _quiet_datasets() -> Any:
     return datasets
 
 
-class _LibraryDataset:
-    """Rows of a ``datasets.Dataset``, listed once (a data file of prompts fits in memory)."""
-
-    config: _FileConfig
-    path: Path
+class _LibraryDataset(_TableRows):
+    """Rows of a ``datasets.Dataset``."""
 
     def _take(self, dataset: Any) -> None:
         if self.config.limit:
             dataset = dataset.select(range(min(self.config.limit, len(dataset))))
-        self.rows: list[dict[str, Any]] = dataset.to_list()
-        for i, row in enumerate(self.rows):
-            _check_prompt(row, self.config.prompt_key, f"{self.path}: row {i}")
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.rows[index]
+        self._keep(dataset.to_list())
 
 
 class CsvDataset(_LibraryDataset):
