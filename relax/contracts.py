@@ -28,6 +28,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class TransientError(RuntimeError):
+    """Raised by a plugin for a failure that may pass on a retry (a service that is down for a
+    moment, a sandbox that did not start). The role's worker is then restarted as its
+    ``fault_tolerance.roles`` policy says, like a process that died. Any other exception a plugin
+    raises is taken as one that would repeat (a bug, bad data, a bad option) and stops the run at
+    once with its message (``relax.runtime.failure_class``). Wrap the original:
+    ``raise TransientError("judge service unreachable") from exc``."""
+
+
 class PluginKind(StrEnum):
     """The kinds of plugin, one entry-point group each (``relax.<kind>``)."""
 

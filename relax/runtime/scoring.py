@@ -8,7 +8,8 @@ or model calls overlap), any other in a thread pool. The scorer waits for each a
 cancelled; a thread cannot be stopped, so the plugin is not called again until that call returns).
 
 A plugin that raises is asked again, sample by sample, to find the samples it cannot score, so
-the error names them. What a failure does is the entry's ``on_error`` policy: ``fail`` raises
+the error names them (one that raises ``relax.contracts.TransientError`` is not: its worker is
+restarted under the role's ``fault_tolerance`` policy). What a failure does is the entry's ``on_error`` policy: ``fail`` raises
 ``RewardError`` (the run stops with it), ``zero`` scores the failed samples 0 and counts them, unless
 they are more than ``max_error_frac`` of the entry's share of the batch (then ``RewardError`` too).
 
@@ -32,7 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.contracts import RewardSample
+from relax.contracts import RewardSample, TransientError
 
 #: How many failing samples an error message lists by id.
 LISTED_IDS = 3
@@ -283,7 +284,7 @@ def _score_sync(entry: RewardEntry, batch: list[RewardSample]) -> Outcome:
     started = time.monotonic()
     try:
         checked = _checked(entry, batch, entry.plugin.score(batch))
-    except _ContractError:
+    except (_ContractError, TransientError):  # a bug whatever the policy; a retry of the worker
         raise
     except Exception as exc:
         if len(batch) == 1:
@@ -304,7 +305,7 @@ async def _score_async(entry: RewardEntry, batch: list[RewardSample]) -> Outcome
     started = time.monotonic()
     try:
         checked = _checked(entry, batch, await entry.plugin.score(batch))
-    except _ContractError:
+    except (_ContractError, TransientError):  # a bug whatever the policy; a retry of the worker
         raise
     except Exception as exc:
         if len(batch) == 1:

@@ -29,6 +29,7 @@ from relax.runtime.roles.forward import ForwardLoop
 from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
 from relax.runtime.run_state import partition_of
+from relax.runtime.failure_class import repeats_on_retry
 from relax.runtime.scoring import RewardError
 from relax.runtime.records import RoleFailure
 from relax.runtime.startup import InBackground
@@ -84,13 +85,14 @@ def attach_bus(timeout_s: float) -> Any:
 def role_failure(what: str, exc: BaseException, *, stops_run: bool = False) -> RoleFailure:
     """A role's failure for the controller, which decides what it does (restart this worker,
     resume the run from its checkpoint, or stop it: fault_tolerance.roles): the cause on the
-    first line, the traceback after it. A reward's failure (``RewardError``: a broken contract, a
-    sample failing under ``on_error: fail``, too many failing under ``zero``) repeats on any retry,
-    so it stops the run whatever the policy, as does ``stops_run``."""
+    first line, the traceback after it. A failure that repeats on any retry stops the run whatever
+    the policy, as does ``stops_run``: a reward's failure (``RewardError``: a broken contract, a
+    sample failing under ``on_error: fail``, too many failing under ``zero``) and a mistake in the
+    role's code or data (``relax.runtime.failure_class``: a bad column, a bad value, a plugin's bug)."""
     detail = "".join(traceback.format_exception(exc))
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return RoleFailure(f"{what}: {type(exc).__name__}: {message}\n{detail}",
-                       stops_run=stops_run or isinstance(exc, RewardError))
+                       stops_run=stops_run or isinstance(exc, RewardError) or repeats_on_retry(exc))
 
 
 class RoleWorker:

@@ -9,6 +9,7 @@ its policy) must stop the run at once: no "restarted in place" line, no restart 
 |------------------------|----------------------------------------------------|------|---------------------------------------------------|
 | malformed_jsonl        | line 26 of the data file is not JSON (validation reads 20) | 1 | DatasetFileError, bad.jsonl:26, invalid JSON |
 | non_utf8_data          | line 25 of the data file has a 0xff byte           | 1    | DatasetFileError, bytes.jsonl:25, not UTF-8       |
+| prompt_key_late        | row 25 of the data has no 'prompt' column (validation reads 20) | 1 | role rollout failed, KeyError, row 25, no 'prompt' column |
 | reward_init_raises     | a reward plugin whose constructor raises           | 1    | failed while starting, RuntimeError, judge.bin    |
 | truncated_weights      | ``--resume`` from a checkpoint whose weights are cut | 1  | failed while starting, the loader's error type    |
 | garbage_optimizer      | ``--resume`` from a checkpoint whose optimizer.pt is garbage | 1 | failed while starting, the loader's error type |
@@ -70,6 +71,13 @@ def non_utf8_data(folder: Path) -> list[str]:
     return [f"data.train={{source: {folder / 'bytes.jsonl'}}}"]
 
 
+def prompt_key_late(folder: Path) -> list[str]:
+    rows = list(ROWS)
+    rows[25] = {"promt": "25+25=", "answer": "50"}  # a typo in one row, past the 20 validation reads
+    (folder / "typo.jsonl").write_bytes(_jsonl(rows))
+    return [f"data.train={{source: {folder / 'typo.jsonl'}}}"]
+
+
 def reward(entry: str) -> Callable[[Path], list[str]]:
     return lambda folder: [f"rewards=[{entry}]"]
 
@@ -103,6 +111,8 @@ TABLE = [
           words=("failed while starting", "DatasetFileError", "bad.jsonl:26", "invalid JSON")),
     Probe("non_utf8_data", non_utf8_data,
           words=("failed while starting", "DatasetFileError", "bytes.jsonl:25", "not UTF-8")),
+    Probe("prompt_key_late", prompt_key_late,
+          words=("role rollout failed", "KeyError", "row 25 of the training data has no 'prompt' column")),
     Probe("reward_init_raises", reward("{name: init_fails}"),
           words=("failed while starting", "RuntimeError", "init_fails", "judge.bin is missing")),
     Probe("truncated_weights", corrupt=truncated_weights, words=("failed while starting", "Error")),
@@ -196,6 +206,36 @@ def test_a_reward_over_its_error_share_stops_under_zero() -> None:
         strict.score(batch)
     assert "reward 'odd' (fails_on_odd) failed on 2 of 4 samples (50%)" in str(info.value)
     assert "max_error_frac=0.25" in str(info.value) and "ValueError: odd" in str(info.value)
+
+
+@pytest.mark.faults  # a restart: the worker starts twice
+def test_a_transient_failure_is_restarted_and_the_run_goes_on(hostile_ray, tmp_path: Path, capsys) -> None:
+    marker = tmp_path / "failed-once"
+    code, rows, _ = testing.tiny_run(tmp_path, "flaky", "trainer.steps=3",
+                                     f"rewards=[{{name: flaky_once, options: {{marker: {marker}}}}}]")
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert marker.exists() and [r["step"] for r in rows] == [1, 2, 3]
+    restarts = [line for line in err.splitlines() if "restarted in place" in line]
+    assert len(restarts) == 1 and "TransientError: flaky_once: the judge service did not answer" in restarts[0], err
+
+
+def test_a_transient_reward_failure_leaves_the_scorer_as_itself() -> None:
+    from relax.contracts import RewardSample, TransientError
+    from relax.runtime.scoring import RewardEntry, RewardScorer
+
+    class Down:
+        calls = 0
+
+        def score(self, samples):
+            Down.calls += 1
+            raise TransientError("judge down")
+
+    batch = [RewardSample(prompt="p", response="r", label="l", metadata={"sample_id": i}) for i in range(4)]
+    scorer = RewardScorer([RewardEntry(key="judge", name="down", plugin=Down(), on_error="zero")])
+    with pytest.raises(TransientError, match="judge down"):
+        scorer.score(batch)
+    assert Down.calls == 1  # not asked again sample by sample, and not scored 0 under on_error: zero
 
 
 def test_a_hung_reward_is_named() -> None:

@@ -64,3 +64,26 @@ class NeverReturns:
     def score(self, samples):
         threading.Event().wait()
         return [0.0 for _ in samples]
+
+
+class FlakyOnce:
+    """Fails its first call of the run with ``TransientError`` (a judge service down for a moment),
+    then scores every sample 1. The first call leaves ``marker`` on disk, so the worker restarted
+    after it scores."""
+
+    class Config(_Options):
+        marker: str
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def score(self, samples):
+        from pathlib import Path
+
+        from relax.contracts import TransientError
+
+        marker = Path(self.config.marker)
+        if not marker.exists():
+            marker.write_text("failed once")
+            raise TransientError("flaky_once: the judge service did not answer")
+        return [1.0 for _ in samples]
