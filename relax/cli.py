@@ -83,13 +83,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from relax.runtime.report import write_report
+    from relax.runtime.report import eval_rows, eval_table, write_report
 
     run_dir = Path(args.run_dir)
     try:
         path = write_report(run_dir, Path(args.output) if args.output else None)
     except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    evals = eval_rows(run_dir)
+    if evals:
+        print(f"held-out evaluation ({run_dir / 'eval.jsonl'}):")
+        print(eval_table(evals))
     print(f"wrote {path}")
     return EXIT_OK
 

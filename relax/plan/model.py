@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.spec.models import AgentSpec, AutoStalenessSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
+from relax.spec.models import AgentSpec, AutoStalenessSpec, EvalSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
 
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -190,6 +190,12 @@ class RoleWiring(PlanPart):
     along; the last of the chain puts or writes them all to the bus."""
     hands_to: str | None = None
     """The role in the same worker that gets its rows, and its columns, in memory."""
+    evaluation: PluginUse | None = None
+    """The rollout that hosts the step loop: the held-out data set (``data.eval``) it evaluates
+    on; None: this loop does not evaluate."""
+    evaluation_rewards: list[RewardUse] = Field(default_factory=list)
+    """With ``evaluation``: the rewards it scores with when no reward loop rides in its worker
+    (a rollout with several replicas); empty: the riding reward loop's."""
     weights_in: str | None = None
     """How new policy weights reach it (a ``WeightSyncEdge`` mechanism; ``shared``: it reuses the
     actor's own backend in this process); None: it holds no policy weights."""
@@ -283,6 +289,12 @@ class RunSettings(PlanPart):
     ``auto.max``, the cap); None: the bound is ``max_staleness``, fixed."""
     mismatch: MismatchSpec = Field(default_factory=MismatchSpec)
     """``async_policy.mismatch``: the alarm on the actor's ``mismatch/kl`` (relax.algo.mismatch)."""
+    eval_every: int = 0
+    """``trainer.eval_every`` (0 when null): with ``evaluation``, an evaluation every this many
+    policy versions (and at 0 and the end); 0: only after the last step."""
+    evaluation: EvalSpec | None = None
+    """``trainer.eval`` when ``data.eval`` is set (the rollout hosting the step loop evaluates,
+    ``relax.runtime.evaluation``); None: no evaluation."""
 
 
 class RolloutWork(PlanPart):

@@ -129,10 +129,12 @@ def _backend_options(options: dict[str, Any], threads: int | None) -> dict[str, 
     return {**options, "num_threads": options.get("num_threads") or threads}
 
 
-def dataset_use(spec: RunSpec, base_dir: Path) -> PluginUse:
-    """The training data set; a file path is taken relative to the spec's folder."""
-    name, implied = dataset_plugin(spec.data.train.source)
-    options = {**implied, **spec.data.train.options}
+def dataset_use(spec: RunSpec, base_dir: Path, split: str = "train") -> PluginUse:
+    """The training (or held-out: ``split="eval"``) data set; a file path is taken relative to the
+    spec's folder."""
+    source = getattr(spec.data, split)
+    name, implied = dataset_plugin(source.source)
+    options = {**implied, **source.options}
     if "path" in implied:  # "~" expanded, a relative path from the spec's folder, as validation reads it
         options["path"] = str(data_path(options["path"], base_dir))
     if "path" in implied:  # a data file: its rows' prompts are checked to be text as it is read
@@ -231,7 +233,12 @@ class _WorkerWiring:
                 plugins=[rollout_use(spec, self.threads, self.base_dir),
                          dataset_use(spec, self.base_dir), *media, *environment],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
-                weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [])
+                weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [],
+                evaluation=(dataset_use(spec, self.base_dir, "eval")
+                            if spec.data.eval is not None and self.replica == 0 else None),
+                evaluation_rewards=(reward_uses(spec)
+                                    if spec.data.eval is not None and self.replica == 0 and not scorer_on_rollout
+                                    else []))
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
                 role=Role.reward, task=Role.reward, rewards=reward_uses(spec),
@@ -380,4 +387,6 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
         bus_node_resource=spec.cluster.bus_node_resource,
         agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True),
         partial=spec.roles.rollout.partial,
-        mismatch=spec.async_policy.mismatch.model_copy(deep=True))
+        mismatch=spec.async_policy.mismatch.model_copy(deep=True),
+        eval_every=spec.trainer.eval_every or 0,
+        evaluation=None if data.eval is None else spec.trainer.eval.model_copy(deep=True))

@@ -274,11 +274,16 @@ class Controller(Deployment, Supervision, Elastic):
             # in place re-reads the step it had not finished).
             if self.bus is not None:
                 self.bus.clear_soon(partition_of(step))
-            reports, self._counters = reports  # RunState forgot the step's signals and units meanwhile
+            reports, self._counters, evals = reports  # RunState forgot the step's signals and units meanwhile
+            if step + 1 == self.settings.steps and self.settings.evaluation is not None:
+                evals += self._final_evaluation(evals)
             self._consumed += reports[Role.actor].get("samples", 0)
             end = reports[Role.actor]["end_time"]
             row = step_row(step + 1, reports, end - last_end)
             row.update(self._fault_metrics(reports))
+            for figures in evals:  # evaluations finished since the last row; the newest stays in the row
+                self.metrics.append_eval(step + 1, figures)
+                row.update(figures)
             last_end = end
             self.metrics.append(row)
             self.trackers.log(row)
@@ -293,6 +298,15 @@ class Controller(Deployment, Supervision, Elastic):
                                        tokens=reports[Role.rollout]["response_tokens"])
             self.step_metrics.export(row)
             self._mismatch_stop(row)
+
+    def _final_evaluation(self, taken: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Wait (supervising the workers) until the rollout posted its evaluation of the final
+        policy version, which it starts once the actor published it (``RolloutLoop.finish``)."""
+        steps, got = self.settings.steps, []
+        while not any(e["eval/version"] >= steps for e in [*taken, *got]):
+            self._supervise()
+            got += self._control(self.state.wait_eval.remote(steps, SUPERVISE_S))
+        return got
 
     def _mismatch_stop(self, row: dict[str, Any]) -> None:
         """With ``async_policy.mismatch.action: stop``, a step whose ``mismatch/kl`` is above the

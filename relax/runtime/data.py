@@ -51,7 +51,7 @@ def sampling_seed(run_seed: int, step: int) -> int:
 
 
 def prompt_rows(dataset: Any, indices: list[int], prompt_key: str, label_key: str,
-                reward_key: str | None = None, media: Any = None) -> list[dict[str, Any]]:
+                reward_key: str | None = None, media: Any = None, split: str = "training data") -> list[dict[str, Any]]:
     """The data set rows of a step, checked for the prompt column; ``route`` holds the row's
     ``reward_key`` value (which rewards score it) when the row has one.
 
@@ -59,12 +59,12 @@ def prompt_rows(dataset: Any, indices: list[int], prompt_key: str, label_key: st
     context (prompt and media references) as the JSON the bus carries. A row whose media are bad
     raises ``relax.media.BadSample`` naming it under ``data.on_bad_sample: error``; under ``skip``
     it is replaced by the next usable row of the data set (so the step keeps its size) and counted
-    in ``media.skipped``."""
-    return [_prompt_row(dataset, index, prompt_key, label_key, reward_key, media) for index in indices]
+    in ``media.skipped``. ``split`` names the data set in errors."""
+    return [_prompt_row(dataset, index, prompt_key, label_key, reward_key, media, split) for index in indices]
 
 
 def _prompt_row(dataset: Any, index: int, prompt_key: str, label_key: str, reward_key: str | None,
-                media: Any) -> dict[str, Any]:
+                media: Any, split: str) -> dict[str, Any]:
     from relax.media import BadSample, dumps_context
 
     size = len(dataset)
@@ -72,7 +72,7 @@ def _prompt_row(dataset: Any, index: int, prompt_key: str, label_key: str, rewar
         current = (index + attempt) % size
         row = dataset[current]
         if prompt_key not in row:
-            raise KeyError(f"row {current} of the training data has no '{prompt_key}' column (data.prompt_key); "
+            raise KeyError(f"row {current} of the {split} has no '{prompt_key}' column (data.prompt_key); "
                            f"it has: {', '.join(sorted(row))}")
         entry = {"index": current, "prompt": str(row[prompt_key]), "label": row.get(label_key)}
         if reward_key is not None and row.get(reward_key) is not None:

@@ -29,6 +29,9 @@ from relax.roles import CRITIC_VALUES, STEP_ROLES, Role
 from relax.spec.models import MismatchSpec
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+"""Every evaluation of the run (``data.eval``), one line each: the ``eval/*`` figures and the
+``step`` of the metrics row they were written into."""
 
 
 def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> dict[str, Any]:
@@ -98,16 +101,27 @@ class MetricsLog:
 
     def __init__(self, output_dir: Path, resume_step: int | None) -> None:
         self.path = output_dir / METRICS_FILE
+        self.eval_path = output_dir / EVAL_FILE
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             self.path.write_text("")
-        elif self.path.exists():
+            self.eval_path.unlink(missing_ok=True)
+            return
+        if self.path.exists():
             kept = [json.dumps(row) for row in kept_rows(self.path.read_text(errors="replace"), resume_step)]
             self.path.write_text("".join(line + "\n" for line in kept))
+        if self.eval_path.exists():  # every evaluation written with a kept row
+            kept = [json.dumps(row) for row in read_rows(self.eval_path) if row["step"] <= resume_step]
+            self.eval_path.write_text("".join(line + "\n" for line in kept))
 
     def append(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(row) + "\n")
+
+    def append_eval(self, step: int, figures: dict[str, float]) -> None:
+        """An evaluation, written with the row of ``step`` (eval.jsonl keeps every one)."""
+        with self.eval_path.open("a") as out:
+            out.write(json.dumps({"step": step, **figures}) + "\n")
 
 
 def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
@@ -123,6 +137,19 @@ def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
         if step <= resume_step:
             rows.setdefault(step, row)
     return [rows[step] for step in sorted(rows)]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The whole JSON rows of a jsonl file that have a ``step`` (a line cut short by a crash is skipped)."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            row["step"] = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        rows.append(row)
+    return rows
 
 
 def mismatch_alarm(figures: dict[str, Any], spec: MismatchSpec | None) -> str | None:

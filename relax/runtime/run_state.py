@@ -45,6 +45,8 @@ class RunState:
         self._weight_sender: Any = None
         self._ready: set[tuple[str, str]] = set()
         self._reports: dict[int, dict[str, dict[str, Any]]] = {}
+        self._evals: list[dict[str, float]] = []
+        """Evaluations posted by the rollout (``relax.runtime.evaluation``) the controller has not taken."""
         self._stopped = False
         self._failure: str | None = None
 
@@ -183,8 +185,12 @@ class RunState:
 
     async def beat(self, holder: str, activity: str, busy_since: float | None) -> None:
         """A worker is alive; ``busy_since`` is when its current piece of work began (None while it
-        waits on others)."""
-        self._beats[holder] = Beat(at=time.time(), activity=activity, busy_since=busy_since)
+        waits on others). A worker at work keeps the run moving: only a run where every worker
+        waits is stalled (a long generation or evaluation is judged by ``progress_timeout_s``)."""
+        now = time.time()
+        self._beats[holder] = Beat(at=now, activity=activity, busy_since=busy_since)
+        if busy_since is not None:
+            self._moved_at = now
 
     async def health(self) -> dict[str, Beat]:
         return dict(self._beats)
@@ -214,16 +220,32 @@ class RunState:
             self._done_steps[report.name] = max(report.step, self._done_steps.get(report.name, -1))
         await self._notify()
 
-    async def wait_reports(self, step: int, roles: list[str],
-                           timeout_s: float) -> tuple[dict[str, dict[str, Any]], SampleCounters] | None:
-        """The reports of every role for ``step`` once all have arrived, with the sample counters;
-        None on timeout or stop. Once every role reported it, the step's signals and rollout units
-        are forgotten (a role restarted in place re-reads a step only while it is unreported)."""
+    async def wait_reports(self, step: int, roles: list[str], timeout_s: float
+                           ) -> tuple[dict[str, dict[str, Any]], SampleCounters, list[dict[str, float]]] | None:
+        """The reports of every role for ``step`` once all have arrived, with the sample counters
+        and the evaluations posted since the last call; None on timeout or stop. Once every role
+        reported it, the step's signals and rollout units are forgotten (a role restarted in place
+        re-reads a step only while it is unreported)."""
         ok = await self._wait(lambda: all(r in self._reports.get(step, {}) for r in roles), timeout_s)
         if not ok:
             return None
         await self.forget(partition_of(step), step)
-        return self._reports.pop(step), await self.counters()
+        evals, self._evals = self._evals, []
+        return self._reports.pop(step), await self.counters(), evals
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    async def post_eval(self, figures: dict[str, float]) -> None:
+        """The rollout evaluated a policy version (``eval/*`` figures, ``eval/version`` among them)."""
+        self._evals.append(figures)
+        await self._notify()
+
+    async def wait_eval(self, min_version: int, timeout_s: float) -> list[dict[str, float]]:
+        """Once an evaluation of a version at least ``min_version`` is posted: every evaluation not
+        yet taken (taken now); [] on timeout or stop."""
+        await self._wait(lambda: any(e["eval/version"] >= min_version for e in self._evals), timeout_s)
+        evals, self._evals = self._evals, []
+        return evals
 
     # -- stopping --------------------------------------------------------------------------------
 

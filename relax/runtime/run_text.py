@@ -86,7 +86,8 @@ def summary(spec: RunSpec, output_dir: Path, rows: list[dict[str, Any]], wall_s:
     """The closing lines of a run that finished: steps, wall time, reward first -> last and where
     its files are, with the commands that read them."""
     from relax.runtime.checkpoint import CheckpointError, list_checkpoints
-    from relax.runtime.metrics import METRICS_FILE, format_duration
+    from relax.runtime.metrics import EVAL_FILE, METRICS_FILE, format_duration
+    from relax.runtime.report import eval_keys, eval_rows
     from relax.telemetry.jsonl import TRACES_FILE
 
     head = f"relax run: done: {len(rows)} step{'s' if len(rows) != 1 else ''} in {format_duration(wall_s)}"
@@ -104,6 +105,13 @@ def summary(spec: RunSpec, output_dir: Path, rows: list[dict[str, Any]], wall_s:
         if exports:
             lines.append(f"  export       {exports[-1]} (transformers' from_pretrained loads it)")
     lines.append(f"  metrics      {output_dir / METRICS_FILE}")
+    evals = eval_rows(output_dir)
+    if evals:  # data.eval: the held-out figures of the first and the last version evaluated
+        first, last = evals[0], evals[-1]
+        figures = ", ".join(f"{key.removeprefix('eval/')} {first[key]:.3f} -> {last[key]:.3f}"
+                            for key in eval_keys(evals))
+        lines.append(f"  evaluation   {output_dir / EVAL_FILE}: v{first['eval/version']:.0f} -> "
+                     f"v{last['eval/version']:.0f}: {figures}")
     lines.append(f"  report       relax report {output_dir}   (reward and step time as a PNG)")
     traces = output_dir / TRACES_FILE
     if traces.is_file():

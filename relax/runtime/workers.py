@@ -240,6 +240,11 @@ class RoleWorker:
                 self.state.report.remote(pending)
                 pending = []
                 done = step + 1
+            role = "rollout"
+            for loop in self.loops:  # after the last step: the rollout's final evaluation
+                if isinstance(loop, RolloutLoop):
+                    role = loop.role
+                    loop.finish()
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:

@@ -86,7 +86,8 @@ class DataSpec(Section):
     )
     """The training prompts."""
     eval: DataSource | None = None
-    """Optional held-out prompts."""
+    """Held-out prompts the policy is evaluated on during training (``trainer.eval_every``,
+    ``trainer.eval``); same columns as ``train``."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     label_key: str = "answer"
@@ -645,6 +646,20 @@ class AsyncPolicySpec(Section):
         return self
 
 
+class EvalSpec(Section):
+    """How the held-out prompts (``data.eval``) are sampled and scored (``trainer.eval_every``)."""
+
+    samples_per_prompt: int = Field(4, ge=1)
+    """Responses per held-out prompt: ``eval/pass@k`` is reported for k = 1, 2, 4, ... up to this."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Evaluate the first this many prompts of ``data.eval`` (in file order); null: all of them."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Sampling temperature of the evaluation; null: the rollout's ``sampling.temperature``. 0 is
+    greedy (then one sample per prompt says all)."""
+    pass_threshold: float = 1.0
+    """A response passes when its reward (the weighted sum of ``rewards``) is at least this."""
+
+
 class TrainerSpec(Section):
     """The training loop."""
 
@@ -661,6 +676,13 @@ class TrainerSpec(Section):
     with the tokenizer or processor, no optimizer state) every this many steps and after the last
     step. null or 0: no export (checkpoints still load with ``AutoModelForCausalLM`` from
     ``checkpoints/step-<n>/trainer``)."""
+    eval_every: int | None = Field(None, ge=0)
+    """Evaluate the policy on ``data.eval`` before training, every this many steps and after the
+    last step (``eval/*`` metrics). Each evaluation generates with one policy version, named by
+    ``eval/version``: the first the rollout holds at or after each multiple. In separate mode it runs
+    on the rollout while the actor trains. null or 0 with ``data.eval`` set: after the last step only."""
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    """How the evaluation samples and what counts as a pass."""
 
 
 class RoleFaultPolicy(Section):

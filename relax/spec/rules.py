@@ -661,6 +661,29 @@ def check_agent(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "install the package of the agent program, or run from the folder that holds it")
 
 
+@rule("trainer", "data", "roles", "rewards")
+def check_evaluation(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """The evaluation (``trainer.eval_every``) generates on the rollout that hosts the step loop
+    and scores there, with the run's rewards built in that worker: rewards that need a worker of
+    their own (``roles.reward.host: own``, a judge model on GPUs) cannot score it yet."""
+    every = spec.trainer.eval_every
+    if spec.data.eval is None:
+        if every:
+            yield SpecIssue("trainer.eval_every", f"evaluation every {every} steps needs held-out prompts, but "
+                            "data.eval is not set", "set data.eval: {source: <file or dataset>}, or remove "
+                            "trainer.eval_every")
+        return
+    fix = "remove data.eval"
+    if spec.roles.reward.host == "own":
+        yield SpecIssue("data.eval", "the evaluation scores in the rollout worker, but roles.reward.host is own "
+                        "(the rewards run in workers of their own)", f"set roles.reward.host: rollout, or {fix}")
+    if spec.roles.rollout.agent is not None:
+        yield SpecIssue("data.eval", "evaluation of agentic rollouts (roles.rollout.agent) is not supported yet",
+                        f"remove roles.rollout.agent, or {fix}")
+    if spec.data.media_keys:
+        yield SpecIssue("data.eval", "evaluation takes text prompts only for now", f"remove data.media_keys, or {fix}")
+
+
 @rule("roles", "placement", "algorithm", "data")
 def check_partial(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
     """Partial rollouts swap weights in the middle of generation, which needs the trainer in another
@@ -932,6 +955,7 @@ RULES: tuple[Rule, ...] = (
     check_weight_sync,
     check_agent,
     check_partial,
+    check_evaluation,
     check_router_replay,
     check_fault_tolerance,
     check_tracing,

@@ -43,6 +43,8 @@ FORWARD: Final = "relax.forward"
 ``relax.role`` names which."""
 CHECKPOINT: Final = "relax.checkpoint"
 """Writing a checkpoint."""
+EVALUATE: Final = "relax.evaluate"
+"""The rollout evaluating one policy version on the held-out prompts (``data.eval``)."""
 AGENT_TURN: Final = "relax.agent.turn"
 """One model turn of an agentic trajectory (``relax.trajectory``, ``relax.turn``), from its
 request to its tokens; nested in the rollout batch."""
@@ -63,10 +65,11 @@ ROLE_OF_SPAN: Final[dict[str, str]] = {
     ADVANTAGE_COMPUTE: "advantage",
     TRAIN_STEP: "actor",
     CHECKPOINT: "actor",
+    EVALUATE: "rollout",
 }
 #: Spans that are a role's work (busy time); ``relax.run`` and ``relax.step`` only frame them.
 WORK_SPANS: Final = frozenset({ROLLOUT_BATCH, REWARD_SCORE, ADVANTAGE_COMPUTE, TRAIN_STEP, WEIGHT_SYNC, CHECKPOINT,
-                               FORWARD})
+                               FORWARD, EVALUATE})
 
 # Span attributes.
 ATTR_STEP: Final = "relax.step"

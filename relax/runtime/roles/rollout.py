@@ -30,10 +30,11 @@ from relax.runtime.role_env import RoleEnv
 from relax.runtime.rows import rollout_columns
 from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import WeightChannel, WeightPull
-from relax.telemetry import ROLLOUT_BATCH, WEIGHT_SYNC
+from relax.telemetry import EVALUATE, ROLLOUT_BATCH, WEIGHT_SYNC
 
 if TYPE_CHECKING:
     from relax.runtime.agent import AgentSampler
+    from relax.runtime.evaluation import Evaluator
     from relax.runtime.partial import PartialRollouts, VersionWatch
     from relax.runtime.roles.actor import ActorLoop
     from relax.runtime.roles.advantage import AdvantageLoop
@@ -95,6 +96,10 @@ class RolloutLoop:
 
             self._watch = VersionWatch(published, lambda: self.backend.version)
             self.partial = PartialRollouts(self.backend, settings.max_staleness, self._watch.newer, self._swap)
+        self._eval_wiring = wiring if wiring.evaluation is not None else None
+        self._evaluator: Evaluator | None = None
+        """The held-out evaluation (``data.eval``), built on first use: its scorer may be the reward
+        loop that rides in this worker, which is attached after this constructor."""
         self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
@@ -114,8 +119,47 @@ class RolloutLoop:
             if done.step_stats is not None:  # this unit completed the step
                 if self.sole_producer and step + 1 < self.env.settings.steps:
                     self.env.lease_ahead(step + 1)  # granted while the step trains (colocate) or in flight
+                self.evaluate_if_due()
                 return merge_unit_stats(done.step_stats)
+        self.evaluate_if_due()
         return merge_unit_stats(self.env.call(self.env.state.step_stats.remote(step)))
+
+    def evaluate_if_due(self) -> None:
+        """Evaluate the held policy version on ``data.eval`` when it is due (``relax.runtime.evaluation``):
+        after a step is produced, so in separate mode it runs while the actor trains on that step."""
+        if self._eval_wiring is None:
+            return
+        evaluator = self._evaluator or self._build_evaluator()
+        version = self.backend.version
+        if not evaluator.due(version):
+            return
+        env = self.env
+        with env.telemetry.span(EVALUATE, step=self._producing, policy_version=version) as span, \
+                env.activity.busy(f"rollout evaluates policy v{version} on data.eval"):
+            figures = evaluator.evaluate(version)
+            span.set(samples=int(figures["eval/samples"]))
+        env.state.post_eval.remote(figures)
+
+    def finish(self) -> None:
+        """After the last step: evaluate the final policy version (it is published once the actor
+        trained the last step), if the run evaluates."""
+        if self._eval_wiring is None:
+            return
+        steps = self.env.settings.steps
+        with self.env.activity.waiting(f"rollout waits for the final policy v{steps} to evaluate it"):
+            version, weights = self.weights.wait(steps, self.backend.version)
+        self._load(version, weights)
+        self.evaluate_if_due()
+
+    def _build_evaluator(self) -> Evaluator:
+        from relax.runtime.components import build_scorer
+        from relax.runtime.evaluation import Evaluator
+
+        wiring = self._eval_wiring
+        scorer = build_scorer(wiring.evaluation_rewards) if wiring.evaluation_rewards else self.scorer.rewards
+        self._evaluator = Evaluator(self.env.settings, self.backend, build_planned(wiring.evaluation), scorer,
+                                    self.context.sampling)
+        return self._evaluator
 
     def serve(self) -> int:
         """An extra replica: generate any admissible unit until every step is produced or the

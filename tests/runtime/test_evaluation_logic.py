@@ -1,0 +1,69 @@
+"""The held-out evaluation's figures and schedule (``relax.runtime.evaluation``), without a run:
+pass@k against hand-counted values, and which policy versions a rollout evaluates."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from types import SimpleNamespace
+
+import pytest
+
+from relax.runtime.evaluation import Evaluator, eval_metrics, k_values, pass_at_k
+from relax.spec.models import EvalSpec
+
+
+def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
+    """The share of the k-subsets of the responses that hold at least one pass."""
+    subsets = list(combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("outcomes", [[True, False, False, False], [False] * 5, [True] * 3,
+                                      [False, True, False, True, False, False, True, False]])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_pass(outcomes):
+    for k in range(1, len(outcomes) + 1):
+        assert pass_at_k(len(outcomes), sum(outcomes), k) == pytest.approx(brute_pass_at_k(outcomes, k))
+
+
+def test_pass_at_k_refuses_impossible_counts():
+    with pytest.raises(ValueError, match="passed <= n"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_the_reported_k_are_powers_of_two_and_n():
+    assert k_values(1) == [1] and k_values(4) == [1, 2, 4] and k_values(6) == [1, 2, 4, 6]
+
+
+def test_eval_metrics_average_over_prompts_and_count_passes_by_threshold():
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 1.0, 1.0]]  # prompt 0: 1 pass of 4; prompt 1: 2 (threshold 1)
+    figures = eval_metrics(rewards, [3] * 8, threshold=1.0)
+    assert figures["eval/prompts"] == 2 and figures["eval/samples"] == 8
+    assert figures["eval/reward_mean"] == pytest.approx(4.0 / 8)
+    assert figures["eval/pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert figures["eval/pass@2"] == pytest.approx((brute_pass_at_k([1, 0, 0, 0], 2)
+                                                    + brute_pass_at_k([0, 0, 1, 1], 2)) / 2)
+    assert figures["eval/pass@4"] == 1.0
+    assert eval_metrics(rewards, [3] * 8, threshold=0.5)["eval/pass@1"] == pytest.approx((1 / 4 + 1) / 2)
+
+
+def _evaluator(every: int, steps: int) -> Evaluator:
+    settings = SimpleNamespace(eval_every=every, steps=steps, evaluation=EvalSpec(), data=None, seed=0)
+    return Evaluator(settings, backend=None, dataset=list(range(10)), scorer=None,
+                     sampling=SimpleNamespace(temperature=1.0))
+
+
+def test_each_multiple_is_evaluated_once_at_the_first_version_held_after_it():
+    evaluator = _evaluator(every=10, steps=40)
+    evaluated = []
+    for held in [0, 0, 1, 2, 9, 11, 12, 19, 23, 31, 32, 40]:  # a rollout's versions, step after step
+        if evaluator.due(held):
+            evaluator.done.add(held)
+            evaluated.append(held)
+    assert evaluated == [0, 11, 23, 31, 40]
+
+
+def test_without_an_interval_only_the_final_version_is_evaluated():
+    evaluator = _evaluator(every=0, steps=12)
+    assert [v for v in range(13) if evaluator.due(v)] == [12]
