@@ -78,6 +78,8 @@ class RunResult:
     output_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """The rows of ``metrics.jsonl``, one per step (empty when no step finished)."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out evaluations (``eval.jsonl``, ``data.eval``), one per policy version in version order."""
 
     @property
     def ok(self) -> bool:
@@ -92,6 +94,7 @@ def run(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | None
     from relax.plan import make_plan
     from relax.runtime.launch import output_path, run_spec
     from relax.runtime.metrics import read_metrics
+    from relax.runtime.report import eval_rows
 
     checked, folder = _load(spec, overrides, base_dir, runnable=False)  # run_spec's preflight adds the rest
     code = run_spec(checked, make_plan(checked, base_dir=folder), base_dir=folder, resume=resume, stream=stream)
@@ -100,4 +103,4 @@ def run(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | None
         rows = read_metrics(output_dir)
     except (FileNotFoundError, ValueError):
         rows = []
-    return RunResult(code, output_dir, rows)
+    return RunResult(code, output_dir, rows, eval_rows(output_dir))

@@ -74,8 +74,10 @@ def test_run_trains_and_returns_its_code_folder_and_metrics(tmp_path):
 
     out, printed = tmp_path / "api", io.StringIO()
     with testing.local_ray():
-        result = relax.run("tiny-cpu", [f"trainer.output_dir={out}", "trainer.steps=2", "tracing.exporter=none"],
+        result = relax.run("tiny-cpu", [f"trainer.output_dir={out}", "trainer.steps=2", "tracing.exporter=none",
+                                        "data.eval={source: 'synthetic:arithmetic', options: {size: 4, seed: 3}}"],
                            stream=printed)
     assert result.ok and result.code == 0 and result.output_dir == out
     assert [row["step"] for row in result.metrics] == [1, 2]
+    assert [e["eval/version"] for e in result.evals] == [2]  # data.eval without eval_every: the final version
     assert "relax run: done: 2 steps in " in printed.getvalue()
