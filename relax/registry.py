@@ -14,10 +14,11 @@ distribution and entry point, and does not affect the other plugins. Traits are 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
-from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
+from dataclasses import dataclass, field
+from importlib.metadata import Distribution, EntryPoint, entry_points
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -29,16 +30,36 @@ from relax.spec.translate import issues_from_validation_error
 
 @dataclass(frozen=True)
 class PluginEntry:
-    """A discovered plugin, before its module is imported."""
+    """A discovered plugin, before its module is imported.
+
+    The distribution's name and version are read from its metadata when first asked for (a
+    message naming the plugin, ``relax plugins``), not at discovery: parsing a ``METADATA`` file
+    costs milliseconds, and a valid spec needs neither."""
 
     kind: PluginKind
     name: str
     target: str
-    distribution: str
-    version: str
+    dist: Distribution | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def distribution(self) -> str:
+        return _name_and_version(self.dist)[0]
+
+    @property
+    def version(self) -> str:
+        return _name_and_version(self.dist)[1]
 
     def describe(self) -> str:
         return f"'{self.name}' ({self.target}, from {self.distribution} {self.version})"
+
+
+@functools.cache
+def _name_and_version(dist: Distribution | None) -> tuple[str, str]:
+    """A distribution's name and version, its metadata parsed once for all its plugins."""
+    if dist is None:
+        return "<unknown>", "?"
+    metadata = dist.metadata
+    return metadata["Name"], metadata["Version"]
 
 
 class PluginError(Exception):
@@ -75,14 +96,7 @@ class Registry:
                 if self._all is None:  # one scan of the installed metadata for every kind
                     self._all = entry_points()
                 for ep in self._all.select(group=kind.group):
-                    dist = ep.dist
-                    entry = PluginEntry(
-                        kind=kind,
-                        name=ep.name,
-                        target=ep.value,
-                        distribution=dist.name if dist is not None else "<unknown>",
-                        version=dist.version if dist is not None else "?",
-                    )
+                    entry = PluginEntry(kind=kind, name=ep.name, target=ep.value, dist=ep.dist)
                     found.setdefault(ep.name, (entry, ep))
                 self._entries[kind] = found
             return self._entries[kind]
