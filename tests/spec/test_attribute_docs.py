@@ -97,3 +97,15 @@ def test_spec_models_read_no_docstring_at_import():
             "assert schema['$defs']['ModelSpec']['properties']['path']['description'].startswith('A local')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_validate_reads_no_source():
+    """``relax validate`` on the tiny preset reads no model's or plugin's source for docstrings
+    (a model or plugin Config back on ``use_attribute_docstrings`` would, at every validation)."""
+    code = ("import linecache\n"
+            "from relax.cli import main\n"
+            "assert main(['validate', 'tiny-cpu']) == 0\n"
+            "read = [name for name in linecache.cache if 'relax' in name]\n"
+            "assert not read, read\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
