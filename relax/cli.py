@@ -193,8 +193,10 @@ def option_rows(config: Any) -> dict[str, dict[str, Any]]:
     is required) and the first paragraph of its help, for ``relax plugins``."""
     from pydantic_core import PydanticUndefined
 
+    from relax.spec.attribute_docs import document
+
     options = {}
-    for key, field in config.model_fields.items():
+    for key, field in document(config).model_fields.items():
         row: dict[str, Any] = {"type": _type_name(field.annotation), "required": field.is_required()}
         if not field.is_required():
             default = field.get_default(call_default_factory=True) if field.default is PydanticUndefined \

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from relax.spec.attribute_docs import DocumentedModel
 from relax.spec.models import AgentSpec, AutoStalenessSpec, EvalSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
 
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 
-class PlanPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+class PlanPart(DocumentedModel):
+    """Base of the plan's parts: unknown keys are errors; docstrings document fields (read when a
+    schema asks for them: ``relax.spec.attribute_docs``)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Bundle(PlanPart):

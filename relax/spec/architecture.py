@@ -12,16 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from relax.spec.attribute_docs import DocumentedModel
 
 CARDS_DIR = Path(__file__).with_name("cards")
 BUILTIN_PREFIX = "builtin:"
 
 
-class ModelArchitecture(BaseModel):
+class ModelArchitecture(DocumentedModel):
     """The numbers of a decoder-only transformer (dense or mixture-of-experts) plus encoders."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     """Model name or id the numbers describe."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from relax.spec.attribute_docs import DocumentedModel
 
 Modality = Literal["text", "image", "audio", "video"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -38,10 +40,11 @@ def _none_is_empty(value: Any) -> Any:
 PluginOptions = Annotated[dict[str, Any], BeforeValidator(_none_is_empty)]
 
 
-class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors and docstrings document fields."""
+class Section(DocumentedModel):
+    """Base of every spec section: unknown keys are errors and docstrings document fields (read
+    when a schema asks for them: ``relax.spec.attribute_docs``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
 class ModelSpec(Section):

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from relax.contracts import PluginKind
 from relax.registry import PluginError, Registry, get_registry
+from relax.spec.attribute_docs import document
 from relax.spec.data_files import DATA_FILE_SUFFIXES, FOLDER_PLUGIN
 
 #: The distribution whose plugins the checked-in schema describes.
@@ -52,7 +53,7 @@ def _config_schema(cls: type, def_name: str, defs: dict[str, Any], file_data: bo
     config = getattr(cls, "Config", None)
     if not (isinstance(config, type) and issubclass(config, BaseModel)):
         return False
-    schema = config.model_json_schema(ref_template=f"#/$defs/{def_name}__{{model}}")
+    schema = document(config).model_json_schema(ref_template=f"#/$defs/{def_name}__{{model}}")
     for sub, body in schema.pop("$defs", {}).items():
         defs[f"{def_name}__{sub}"] = body
     if file_data and "required" in schema:

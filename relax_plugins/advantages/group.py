@@ -33,7 +33,7 @@ class GRPOAdvantage:
     class Config(BaseModel):
         """Options of the GRPO advantage."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         eps: float = Field(1e-6, gt=0.0)
         """Added to the group std before dividing."""

@@ -60,7 +60,7 @@ class _TokenAdvantage:
 class _ReturnsConfig(BaseModel):
     """Options of the REINFORCE++ estimators."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount per response token of the returns (1: the undiscounted reward to go)."""
@@ -103,7 +103,7 @@ class GAEAdvantage(_TokenAdvantage):
     class Config(BaseModel):
         """Options of generalised advantage estimation."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         gamma: float = Field(1.0, ge=0.0, le=1.0)
         """Discount per response token."""

@@ -34,7 +34,7 @@ class ArithmeticDataset:
     class Config(BaseModel):
         """Options of the synthetic arithmetic data set."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         size: int = Field(4096, ge=1)
         """Number of problems."""

@@ -23,7 +23,7 @@ class DatasetFileError(ValueError):
 
 
 class _FileConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     path: str
     """The file to read. From ``data.*.source`` the run passes it with ``~`` expanded and a relative

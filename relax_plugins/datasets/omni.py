@@ -109,7 +109,7 @@ class OmniDataset:
     class Config(BaseModel):
         """Options of the synthetic omni data set."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         size: int = Field(3000, ge=1)
         """Number of problems."""

@@ -37,7 +37,7 @@ class ProductsDataset:
     class Config(BaseModel):
         """Options of the synthetic products data set."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         size: int = Field(4096, ge=1)
         """Number of problems."""

@@ -34,7 +34,7 @@ class CalculatorEnvironment(ToolEnvironment):
     class Config(BaseModel):
         """Options of the calculator environment."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         max_expression_chars: int = Field(200, ge=1, le=10_000)
         """Longest expression evaluated; a longer one is an error observation."""

@@ -36,7 +36,7 @@ class MlflowLogger:
     class Config(BaseModel):
         """Options of the MLflow logger."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         tracking_uri: str | None = None
         """Where runs are stored: a server URL, ``file:`` or ``sqlite:`` URI; null:

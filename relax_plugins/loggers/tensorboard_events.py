@@ -26,7 +26,7 @@ class TensorBoardLogger:
     class Config(BaseModel):
         """Options of the TensorBoard logger."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         log_dir: str = "tensorboard"
         """Folder of the event files; a relative one is taken from the run's output folder."""

@@ -34,7 +34,7 @@ class WandbLogger:
     class Config(BaseModel):
         """Options of the wandb logger."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         project: str = "relax"
         """The wandb project."""

@@ -21,7 +21,7 @@ class CISPOLoss(PolicyLoss):
     class Config(BaseModel):
         """Options of the CISPO loss."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         truncate_low: bool = False
         """Also bound the weight below at ``1 - algorithm.clip.low`` (MiniMax-M1 bounds it above only)."""

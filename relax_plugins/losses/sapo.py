@@ -20,7 +20,7 @@ class SAPOLoss(PolicyLoss):
     class Config(BaseModel):
         """Options of the SAPO loss (the paper's defaults)."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         tau_pos: float = Field(1.0, gt=0.0)
         """Gate temperature for tokens with a positive advantage; larger narrows the trust region."""

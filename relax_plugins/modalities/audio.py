@@ -30,7 +30,7 @@ class AudioModality(ModalityPlugin):
     class Config(BaseModel):
         """Sample rate and duration budgets of audio inputs."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         sample_rate: int = Field(16000, ge=1000)
         """Sample rate the model's feature extractor expects (Hz); inline arrays and ``.npy``

@@ -73,7 +73,7 @@ class ImageModality(ModalityPlugin):
     class Config(BaseModel):
         """Budgets of image inputs."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         max_pixels: int = Field(1024 * 1024, ge=1)
         """Largest image in pixels (width x height); a larger one is a bad sample."""

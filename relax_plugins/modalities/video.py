@@ -33,7 +33,7 @@ class VideoModality(ModalityPlugin):
     class Config(BaseModel):
         """Frame rate and size budgets of video inputs."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         fps: float = Field(2.0, gt=0.0)
         """Frames per second of the stored frames (and what the processor is told)."""

@@ -83,7 +83,7 @@ class TinyLM:
     class Config(BaseModel):
         """Sizes, task and warm-up of the built-in tiny model."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         architecture: Literal["llama", "qwen2", "qwen3_moe"] = "llama"
         """Hugging Face architecture of the model (each loads in transformers and vLLM).

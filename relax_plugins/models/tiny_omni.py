@@ -46,7 +46,7 @@ class TinyOmni:
     class Config(BaseModel):
         """Sizes, seed and warm-up of the built-in tiny omni model."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         hidden_size: int = Field(64, ge=32)
         """Width of the text model and of both encoders' outputs."""

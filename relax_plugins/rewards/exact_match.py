@@ -20,7 +20,7 @@ class ExactMatch:
     class Config(BaseModel):
         """Options of the exact-match reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         strip: bool = True
         """Strip leading and trailing whitespace from the response and the label before comparing."""

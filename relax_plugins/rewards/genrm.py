@@ -33,7 +33,7 @@ TEMPLATE_FIELDS = frozenset({"prompt", "response", "label"})
 class JudgeSampling(BaseModel):
     """How the judge samples its verdict (greedy by default: a verdict should be reproducible)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(0.0, ge=0.0)
     """Softmax temperature; 0 is greedy."""
@@ -76,7 +76,7 @@ class GenerativeJudge:
     class Config(BaseModel):
         """Options of the generative (LLM-judge) reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         model: str = "builtin:tiny-lm"
         """The judge: a local Hugging Face folder (absolute, or relative to the working directory)

@@ -31,7 +31,7 @@ class MathVerify:
     class Config(BaseModel):
         """Options of the math-verify reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         require_boxed: bool = False
         """Only an answer inside ``\\boxed{...}`` counts; a response without one gets

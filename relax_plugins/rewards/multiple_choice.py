@@ -23,7 +23,7 @@ class MultipleChoice:
     class Config(BaseModel):
         """Options of the multiple-choice reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         choices: str = Field("ABCD", min_length=2)
         """The option letters, in order (an integer label i means the i-th of them)."""

@@ -23,7 +23,7 @@ class OverlongPenalty:
     class Config(BaseModel):
         """Options of the overlong penalty."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         max_tokens: int | None = Field(None, ge=1)
         """The length limit L_max in tokens; null takes the rollout's ``max_new_tokens``."""

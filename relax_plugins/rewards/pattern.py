@@ -35,7 +35,7 @@ class RegexReward:
     class Config(BaseModel):
         """Options of the regex reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         pattern: str = r"(?i)answer\s*[:=]\s*(\S+)"
         """The regular expression (Python syntax)."""
@@ -118,7 +118,7 @@ class FormatReward(RegexReward):
     class Config(BaseModel):
         """Options of the format reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         pattern: str = r"<think>.*?</think>\s*<answer>.*?</answer>"
         """The structure the whole response must have (Python regular expression; ``.`` matches

@@ -48,7 +48,7 @@ class RemoteReward:
     class Config(BaseModel):
         """Options of the remote (HTTP) reward."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         url: str = "http://127.0.0.1:8000/score"
         """The service's endpoint (http or https)."""

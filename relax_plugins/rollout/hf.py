@@ -39,7 +39,7 @@ class HFRollout:
     class Config(BaseModel):
         """Options of the Hugging Face rollout backend."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         max_batch_size: int | None = Field(None, ge=1)
         """Sequences per ``generate`` call; null generates all prompts x samples in one call."""

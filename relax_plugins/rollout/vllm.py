@@ -96,7 +96,7 @@ class VLLMRollout:
     class Config(BaseModel):
         """Options of the vLLM rollout backend."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         kv_cache_gib: float | None = Field(1.0, gt=0.0)
         """KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; on CPU it is host memory).

@@ -26,7 +26,7 @@ from relax.contracts import OptimizerInfo, TrainerContext
 class TrainerConfig(BaseModel):
     """Options every built-in train backend takes (a backend's ``Config`` extends it)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid")
 
     logprob_temperature: float | None = Field(None, gt=0.0)
     """Temperature of the log-probs; null uses the rollout's sampling temperature (1 if 0)."""

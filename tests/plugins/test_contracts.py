@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from relax.registry import get_registry
+from relax.spec.attribute_docs import document
 
 BUILTINS = [
     ("rollout", "hf"),
@@ -65,7 +66,8 @@ def test_plugin_modules_import_without_torch():
 
 
 def test_documented_fields():
+    # descriptions are read from the docstrings on demand (relax.spec.attribute_docs), as for help
     registry = get_registry()
     for kind, name in BUILTINS:
-        for field_name, info in registry.load(kind, name).Config.model_fields.items():
+        for field_name, info in document(registry.load(kind, name).Config).model_fields.items():
             assert info.description, f"{kind} plugin {name}: option {field_name} has no docstring"

@@ -38,7 +38,7 @@ class LengthPenalty:
     class Config(BaseModel):
         """Options of ``length_penalty``, given under ``rewards[i].options`` in a run spec."""
 
-        model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+        model_config = ConfigDict(extra="forbid")
 
         target_chars: int = Field(8, ge=1)
         """Longest response, in characters, that is not penalised."""
