@@ -95,8 +95,7 @@ def test_spec_models_read_no_docstring_at_import():
             "assert not any(name.endswith('spec/models.py') for name in linecache.cache), 'source read'\n"
             "schema = m.RunSpec.model_json_schema()\n"
             "assert schema['$defs']['ModelSpec']['properties']['path']['description'].startswith('A local')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    _passes_in_a_fresh_interpreter(code)
 
 
 def test_validate_reads_no_source():
@@ -107,5 +106,10 @@ def test_validate_reads_no_source():
             "assert main(['validate', 'tiny-cpu']) == 0\n"
             "read = [name for name in linecache.cache if 'relax' in name]\n"
             "assert not read, read\n")
+    _passes_in_a_fresh_interpreter(code)
+
+
+def _passes_in_a_fresh_interpreter(code: str) -> None:
+    """Run ``code`` in a new Python process (nothing imported or read yet) and require it to pass."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
