@@ -390,6 +390,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     building = run_text.model_phase(spec)
     if building is not None:  # a built-in model: seconds to minutes the first time, then cached
         print(building, file=out, flush=True)
+        os.environ.update(QUIET_ENV)  # the line says what happens: no library progress bar splits it
     model_path = materialize_model(spec, base_dir)  # once, here, before any worker needs it
     clock.mark("model")
     if building is not None:
