@@ -6,7 +6,8 @@ training (version 0), at the first version it holds at or after each multiple of
 and once more with the final version after the last step. It evaluates right after it produced a
 step, so in separate mode the evaluation runs while the actor trains on that step; the next step's
 generation starts when the evaluation ends (the actor waits only if the rollout was already the
-slower of the two). In colocate mode rollout and training alternate anyway, and the evaluation
+slower of the two, which with ``max_staleness: 1`` it usually is: then training is delayed by
+about the evaluation's length). In colocate mode rollout and training alternate anyway, and the evaluation
 adds its time to the step it follows.
 
 Each evaluation generates ``samples_per_prompt`` responses per prompt from a seed of its own that
