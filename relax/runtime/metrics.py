@@ -128,21 +128,22 @@ def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
     """The rows of ``text`` (metrics.jsonl) that a resume from step ``resume_step`` keeps: whole
     rows of steps up to it, each step once (the first row written for it)."""
     rows: dict[int, dict[str, Any]] = {}
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-            step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if step <= resume_step:
-            rows.setdefault(step, row)
+    for row in parse_rows(text):
+        if row["step"] <= resume_step:
+            rows.setdefault(row["step"], row)
     return [rows[step] for step in sorted(rows)]
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The whole JSON rows of a jsonl file that have a ``step`` (a line cut short by a crash is skipped)."""
+    """The whole rows of a jsonl file (``parse_rows``)."""
+    return parse_rows(path.read_text(errors="replace"))
+
+
+def parse_rows(text: str) -> list[dict[str, Any]]:
+    """The whole JSON rows of jsonl ``text`` that have a ``step`` (an int); a line cut short by a
+    crash is skipped."""
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
             row["step"] = int(row["step"])
