@@ -36,6 +36,10 @@ RANKED_ROLES: tuple[Role, ...] = (Role.actor, *OPTIONAL_ROLES)
 
 #: The report name (and bus task) of the critic's first loop, its values: a loop, not a role.
 CRITIC_VALUES = "critic_values"
+#: The evaluation worker (``trainer.eval.host: own``): a rollout engine of its own that only
+#: evaluates on ``data.eval``. Its plan instance and loop go by this name; its worker hosts the
+#: rollout role (a rollout's fault policy and budget), but takes no rollout work.
+EVALUATION = "evaluation"
 
 
 class Column(StrEnum):

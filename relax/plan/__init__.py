@@ -15,6 +15,7 @@ from relax.plan.render import render
 from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
 from relax.plan.wiring import plan_workers, rollout_replica, rollout_work, run_settings
 from relax.registry import PluginError, get_registry, trait
+from relax.roles import EVALUATION, Role
 from relax.spec.architecture import ModelArchitecture
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import RunSpec
@@ -70,8 +71,10 @@ def judge_memory(spec: RunSpec, base_dir: Path) -> tuple[list[MemoryItem], list[
 def _instance_items(inst: RoleInstance, spec: RunSpec, arch: ModelArchitecture,
                     cache: dict[str, list[MemoryItem]]) -> list[MemoryItem]:
     if inst.role not in cache:
-        if inst.role == "rollout":
+        if inst.role == Role.rollout:
             cache[inst.role] = rollout_memory(spec, arch)
+        elif inst.role == EVALUATION:  # a copy of the rollout engine
+            cache[inst.role] = [item.model_copy(update={"role": EVALUATION}) for item in rollout_memory(spec, arch)]
         else:
             role = spec.trained_roles().get(inst.role)
             if role is None:  # CPU workers: reward, advantage

@@ -57,7 +57,8 @@ class RoleInstance(PlanPart):
     """One Ray actor: a rank of a trained role, a rollout engine or a CPU worker."""
 
     role: str
-    """Role name (rollout, actor, reference, critic, actor_fwd, reward, advantage)."""
+    """Role name (rollout, actor, reference, critic, actor_fwd, reward, advantage), or evaluation:
+    the evaluation worker's engine (``trainer.eval.host``)."""
     rank: int
     """Index of this instance within its role."""
     pool: str
@@ -195,11 +196,12 @@ class RoleWiring(PlanPart):
     hands_to: str | None = None
     """The role in the same worker that gets its rows, and its columns, in memory."""
     evaluation: PluginUse | None = None
-    """The rollout that hosts the step loop: the held-out data set (``data.eval``) it evaluates
-    on; None: this loop does not evaluate."""
+    """The held-out data set (``data.eval``) this loop evaluates on: the evaluation worker's loop,
+    or (``trainer.eval.host`` rollout) the rollout that hosts the step loop; None: it does not
+    evaluate."""
     evaluation_rewards: list[RewardUse] = Field(default_factory=list)
     """With ``evaluation``: the rewards it scores with when no reward loop rides in its worker
-    (a rollout with several replicas); empty: the riding reward loop's."""
+    (the evaluation worker, a rollout with several replicas); empty: the riding reward loop's."""
     weights_in: str | None = None
     """How new policy weights reach it (a ``WeightSyncEdge`` mechanism; ``shared``: it reuses the
     actor's own backend in this process); None: it holds no policy weights."""
@@ -214,7 +216,7 @@ class WorkerPlan(PlanPart):
 
     holder: str
     """The worker's name in the run (heartbeats, leases, logs): its roles joined by ``/``, and
-    ``#n`` for the n-th extra rollout replica."""
+    ``#n`` for the n-th extra rollout replica; ``evaluation`` for the evaluation worker."""
     roles: list[RoleWiring]
     """The role loops it hosts, in the order it runs them each step (data order)."""
     instance: RoleInstance
@@ -297,7 +299,7 @@ class RunSettings(PlanPart):
     """``trainer.eval_every`` (0 when null): with ``evaluation``, an evaluation every this many
     policy versions (and at 0 and the end); 0: only after the last step."""
     evaluation: EvalSpec | None = None
-    """``trainer.eval`` when ``data.eval`` is set (the rollout hosting the step loop evaluates,
+    """``trainer.eval`` when ``data.eval`` is set (who evaluates is in the workers' wiring:
     ``relax.runtime.evaluation``); None: no evaluation."""
 
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from relax.plan.model import Bundle, Pool, RoleInstance
-from relax.roles import Role
+from relax.roles import EVALUATION, Role
 from relax.spec.errors import SpecError, SpecIssue
 from relax.spec.models import ForwardRole, RunSpec
 from relax.plan.wiring import advantage_reads
@@ -161,6 +161,40 @@ def _score_in_rollout(spec: RunSpec, builders: list[PoolBuilder]) -> None:
                                            bundles=first.bundles[:1], node=first.node))
 
 
+def evaluates_on_own(spec: RunSpec) -> bool:
+    """Whether ``trainer.eval.host`` asks for an evaluation worker of its own (``auto``: outside
+    colocate mode; whether it gets one on GPUs is up to the free GPUs, ``_evaluation_worker``)."""
+    host = spec.trainer.eval.host
+    return spec.data.eval is not None and (host == "own" or (host == "auto" and spec.placement.mode != "colocate"))
+
+
+def _evaluation_worker(spec: RunSpec, cursor: GpuCursor | None, builders: list[PoolBuilder]) -> None:
+    """The evaluation worker (``trainer.eval.host``), in a pool of its own: a CPU bundle, or a
+    rollout engine's ``gpus_per_replica`` GPUs from those the roles left free. With ``auto`` and too
+    few free GPUs there is none, and the rollout evaluates between steps."""
+    if not evaluates_on_own(spec):
+        return
+    gpus = spec.roles.rollout.gpus_per_replica
+    pool = PoolBuilder(name=EVALUATION, roles=[EVALUATION])
+    if gpus == 0 or cursor is None:
+        mine = [pool.add_cpu_bundle(1.0)]
+    else:
+        try:
+            mine = pool.add_gpu_bundles(cursor.take(gpus, "trainer.eval.host"))
+        except SpecError:
+            if spec.trainer.eval.host == "auto":
+                return
+            free = sum(cursor.per_node - used for used in cursor.used) if cursor.used else cursor.per_node * cursor.nodes
+            raise SpecError([SpecIssue("trainer.eval.host", f"an evaluation worker of its own needs {gpus} free GPUs "
+                                       f"on one node (roles.rollout.gpus_per_replica), but the roles leave {free} "
+                                       "free", "set trainer.eval.host: rollout (the rollout evaluates between "
+                                       "steps) or auto, or add GPUs to the cluster")]) from None
+    first = pool.bundles[mine[0]]
+    pool.instances.append(RoleInstance(role=EVALUATION, rank=0, pool=pool.name, bundles=mine, node=first.node,
+                                       gpus=[g for i in mine for g in pool.bundles[i].gpus]))
+    builders.append(pool)
+
+
 def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
     """The pools and role instances of a validated spec."""
     roles, mode = spec.roles, spec.placement.mode
@@ -229,6 +263,7 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
         # the actor rather than in the rollout worker, which would stall generation.
         actor_pool = next(b for b in builders if b.name in ("actor", "colocate"))
         _cpu_workers(actor_pool, Role.advantage, roles.advantage.replicas, roles.advantage.cpus)
+    _evaluation_worker(spec, cursor, builders)
     pools = [b.build(single_node) for b in builders]
     instances = [i for b in builders for i in b.instances]
     return pools, instances

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleWiring
+from relax.roles import EVALUATION
 
 
 def _human_params(n: int | None) -> str:
@@ -30,10 +31,14 @@ def _loop_line(loop: RoleWiring) -> str:
         parts.append(f"reads {','.join(loop.reads)} (from {loop.takes_from} in memory)")
     elif loop.reads:
         parts.append(f"reads {','.join(loop.reads)} (bus, after {','.join(loop.waits_for)})")
-    else:
+    elif loop.task != EVALUATION:  # an evaluation worker reads only data.eval, said below
         parts.append("reads the data set")
     if loop.writes:
         parts.append(f"writes {','.join(loop.writes)} ({f'to {loop.hands_to} in memory' if loop.hands_to else 'bus'})")
+    if loop.evaluation is not None:
+        rewards = [r.plugin.name for r in loop.evaluation_rewards]
+        parts.append(f"evaluates on data.eval ({loop.evaluation.kind}:{loop.evaluation.name}"
+                     f"{', scored with ' + ','.join(rewards) if rewards else ''})")
     if loop.weights_in:
         parts.append(f"weights in: {loop.weights_in}")
     if loop.weights_out:

@@ -4,7 +4,7 @@ weight-sync edges; and the staleness schedule."""
 from __future__ import annotations
 
 from relax.plan.model import BusField, StalenessSchedule, StalenessWindow, WeightSyncEdge, WorkerPlan
-from relax.roles import AGENT_COLUMNS, ROLLOUT_COLUMNS, ROUTING_COLUMNS, Column, Role
+from relax.roles import AGENT_COLUMNS, EVALUATION, ROLLOUT_COLUMNS, ROUTING_COLUMNS, Column, Role
 from relax.spec.models import RunSpec
 
 #: The order in which ``relax plan`` lists the bus columns (data order).
@@ -40,18 +40,19 @@ def bus_fields(workers: list[WorkerPlan]) -> list[BusField]:
 
 
 def weight_sync_edges(workers: list[WorkerPlan], on_gpu: bool) -> list[WeightSyncEdge]:
-    """The actor publishes each new policy version to the rollout and to actor_fwd, by the channel
-    each one's wiring names. The reference policy is frozen, so it gets no edge."""
+    """The actor publishes each new policy version to the rollout, to actor_fwd and to an
+    evaluation worker, by the channel each one's wiring names. The reference policy is frozen, so it
+    gets no edge."""
     in_memory = "cuda-ipc" if on_gpu else "in-process"
     mechanisms = {"in-process": in_memory, "shared": in_memory, "object-store": "object-store",
                   "collective": "nccl-broadcast" if on_gpu else "gloo-broadcast"}
     edges: dict[str, WeightSyncEdge] = {}
     for worker in workers:
         for loop in worker.roles:
-            if loop.weights_in is not None and loop.role not in edges:
-                edges[loop.role] = WeightSyncEdge(source=Role.actor, target=loop.role,
+            if loop.weights_in is not None and loop.task not in edges:
+                edges[loop.task] = WeightSyncEdge(source=Role.actor, target=loop.task,
                                                   mechanism=mechanisms[loop.weights_in])
-    return [edges[role] for role in (Role.rollout, Role.actor_fwd) if role in edges]
+    return [edges[task] for task in (Role.rollout, Role.actor_fwd, EVALUATION) if task in edges]
 
 
 def staleness_schedule(spec: RunSpec, shown_steps: int = 4) -> StalenessSchedule:

@@ -29,6 +29,7 @@ from relax.plan.model import (
 from relax.registry import PluginError, get_registry, trait
 from relax.roles import (
     CRITIC_VALUES,
+    EVALUATION,
     MODEL_ROLES,
     OPTIONAL_ROLES,
     RANKED_ROLES,
@@ -53,7 +54,7 @@ RESPONSE_READY = Column.response
 ROLE_COLUMNS = {Column.values: Role.critic, Column.ref_logprobs: Role.reference}
 #: The order in which a worker runs its role loops each step (data order).
 LOOP_ORDER = (Role.rollout, Role.reward, Role.reference, CRITIC_VALUES, Role.advantage, Role.actor_fwd, Role.actor,
-              Role.critic)
+              Role.critic, EVALUATION)
 
 
 # -- resolvers ----------------------------------------------------------------------------------
@@ -204,8 +205,12 @@ def _weights_channel(spec: RunSpec, roles: set[str]) -> str:
 class _WorkerWiring:
     """Builds the role loops of one worker, mirroring how they hand rows to each other."""
 
-    def __init__(self, spec: RunSpec, base_dir: Path, roles: list[str], threads: int, replica: int) -> None:
+    def __init__(self, spec: RunSpec, base_dir: Path, roles: list[str], threads: int, replica: int,
+                 evaluator: bool) -> None:
         self.spec, self.base_dir, self.roles, self.threads, self.replica = spec, base_dir, set(roles), threads, replica
+        self.evaluator = evaluator
+        """The run has an evaluation worker (``trainer.eval.host``): the rollout does not evaluate,
+        and the actor also publishes each version to the object store, where that worker loads it."""
 
     def build(self) -> list[RoleWiring]:
         spec, roles = self.spec, self.roles
@@ -223,6 +228,7 @@ class _WorkerWiring:
         inline_actor = scorer_on_rollout and inline_advantage and self._actor_takes_in_memory()
         advantage_tokens = critic or (estimator is not None
                                       and trait(estimator, PluginKind.advantages, "token_level"))
+        evaluates_here = spec.data.eval is not None and self.replica == 0 and not self.evaluator
         if Role.rollout in roles:
             media = [_use(PluginKind.modalities, m, spec.data.media_options.get(m, {})) for m in spec.data.media_keys]
             agent = spec.roles.rollout.agent
@@ -234,11 +240,15 @@ class _WorkerWiring:
                          dataset_use(spec, self.base_dir), *media, *environment],
                 writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [],
-                evaluation=(dataset_use(spec, self.base_dir, "eval")
-                            if spec.data.eval is not None and self.replica == 0 else None),
-                evaluation_rewards=(reward_uses(spec)
-                                    if spec.data.eval is not None and self.replica == 0 and not scorer_on_rollout
-                                    else []))
+                evaluation=dataset_use(spec, self.base_dir, "eval") if evaluates_here else None,
+                evaluation_rewards=reward_uses(spec) if evaluates_here and not scorer_on_rollout else [])
+        if EVALUATION in roles:
+            # A rollout engine of its own: the backend and the held-out data, scored with rewards it
+            # builds itself, on the versions it loads from the object store.
+            wired[EVALUATION] = RoleWiring(
+                role=Role.rollout, task=EVALUATION, plugins=[rollout_use(spec, self.threads, self.base_dir)],
+                evaluation=dataset_use(spec, self.base_dir, "eval"), evaluation_rewards=reward_uses(spec),
+                weights_in="object-store")
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
                 role=Role.reward, task=Role.reward, rewards=reward_uses(spec),
@@ -273,8 +283,9 @@ class _WorkerWiring:
                         if getattr(spec.roles, r) is not None]
             out = _weights_channel(spec, roles)
             outgoing = [out]
-            if spec.roles.actor_fwd is not None and Role.actor_fwd not in roles and out != "object-store":
-                outgoing.append("object-store")  # an actor_fwd elsewhere loads each version from there
+            if ((spec.roles.actor_fwd is not None and Role.actor_fwd not in roles) or self.evaluator) \
+                    and out != "object-store":
+                outgoing.append("object-store")  # an actor_fwd elsewhere, an evaluation worker load from there
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
                 plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
@@ -337,21 +348,27 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
     model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
                        + len(replicas) + extra_ranks)
     threads = max(1, cores // model_processes)
+    evaluator = of(EVALUATION)
     workers = []
     for group in by_bundle.values():
         names = [i.role for i in group]
         anchor = next((i for i in group if i.role == Role.actor), group[0])
         own = threads if MODEL_ROLES & set(names) else 1
         ranks = {role: [i.rank for i in of(role)] for role in names if role in RANKED_ROLES and len(of(role)) > 1}
-        workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks))
+        workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks, bool(evaluator)))
     workers += [_worker(spec, base_dir, [Role.rollout], instance, threads, instance.rank, {}) for instance in replicas]
+    # Not counted among the model processes above: on GPUs it has devices of its own; on CPU it
+    # runs one thread at the lowest priority, in the time the others leave idle (its torch threads
+    # would otherwise be started before it lowers its priority: relax.runtime.evaluation).
+    workers += [_worker(spec, base_dir, [EVALUATION], instance, threads if instance.gpus else 1, 0, {}, True)
+                for instance in evaluator]
     return workers
 
 
 def _worker(spec: RunSpec, base_dir: Path, roles: list[str], anchor: RoleInstance, threads: int, replica: int,
-            ranks: dict[str, list[int]]) -> WorkerPlan:
+            ranks: dict[str, list[int]], evaluator: bool = False) -> WorkerPlan:
     return WorkerPlan(holder=holder_name(roles, replica),
-                      roles=_WorkerWiring(spec, base_dir, roles, threads, replica).build(),
+                      roles=_WorkerWiring(spec, base_dir, roles, threads, replica, evaluator).build(),
                       instance=anchor, replica=replica, threads=threads, ranks=ranks)
 
 

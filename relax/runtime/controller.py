@@ -323,7 +323,7 @@ class Controller(Deployment, Supervision, Elastic):
                "samples/regenerated": counters.regenerated, "samples/dropped": counters.dropped,
                "samples/trained_hash": reports[Role.actor].get("samples_hash"),
                "rollout/replicas": sum(1 for s in self._slots  # started (ready), not leaving
-                                       if Role.rollout in s.roles and s.ready_at and not s.draining),
+                                       if s.generates and s.ready_at and not s.draining),
                "rollout/units": reports[Role.rollout].get("units", 1),
                "rollout/step_replicas": reports[Role.rollout].get("replicas", 1),
                "faults/restarts": sum(self.restarts.values())}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax.plan.model import RoleInstance, WorkerPlan
-from relax.roles import Role
+from relax.roles import EVALUATION, Role
 
 
 @dataclass
@@ -47,6 +47,18 @@ class Slot:
     @property
     def replica(self) -> int:
         return self.wiring.replica
+
+    @property
+    def evaluates(self) -> bool:
+        """The evaluation worker (``trainer.eval.host: own``): a rollout engine that takes no
+        rollout work."""
+        return any(loop.task == EVALUATION for loop in self.wiring.roles)
+
+    @property
+    def generates(self) -> bool:
+        """A rollout replica that generates the run's samples (the planned ones and those scaling
+        added)."""
+        return Role.rollout in self.roles and not self.evaluates
 
     @property
     def instance(self) -> RoleInstance:
@@ -139,7 +151,9 @@ class Deployment:
         (self.output_dir / "workers.json").write_text(json.dumps(rows, indent=1) + "\n")
 
     def _begin(self, slot: Slot, resumed: dict[str, int] | None) -> None:
-        if slot.replica > 0:
+        if slot.evaluates:
+            slot.task = slot.worker.evaluate.remote()
+        elif slot.replica > 0:
             slot.task = slot.worker.serve.remote()
         else:
             slot.task = slot.worker.run.remote(self.attempt_start, resumed)

@@ -59,7 +59,7 @@ class Elastic:
     def _scale(self, item: ScaleRequest) -> None:
         """Start applying a scale request. Removed replicas are asked to drain at once; new ones
         are launched here and join (``_join``) once built, without holding up supervision."""
-        rollouts = [s for s in self._slots if Role.rollout in s.roles and not s.draining]
+        rollouts = [s for s in self._slots if s.generates and not s.draining]
         item.before = len(rollouts)
         # Replicas that host only a rollout can leave, newest first; the one hosting the step loops stays.
         removable = sorted((s for s in rollouts if s.replica > 0), key=lambda s: -s.replica)
@@ -129,7 +129,7 @@ class Elastic:
         item.done.set()
 
     def _replicas(self) -> list[dict[str, Any]]:
-        return [self._describe(s) for s in self._slots if Role.rollout in s.roles]
+        return [self._describe(s) for s in self._slots if s.generates]
 
     @staticmethod
     def _describe(slot: Slot) -> dict[str, Any]:

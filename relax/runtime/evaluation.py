@@ -1,14 +1,18 @@
 """Evaluation during training: the held-out prompts (``data.eval``) sampled and scored with one
 policy version (``trainer.eval_every``, ``trainer.eval``).
 
-The rollout that hosts the run's step loop evaluates, with the backend it generates with: before
-training (version 0), at the first version it holds at or after each multiple of ``eval_every``,
-and once more with the final version after the last step. It evaluates right after it produced a
-step, so in separate mode the evaluation runs while the actor trains on that step; the next step's
-generation starts when the evaluation ends (the actor waits only if the rollout was already the
-slower of the two, which with ``max_staleness: 1`` it usually is: then training is delayed by
-about the evaluation's length). In colocate mode rollout and training alternate anyway, and the evaluation
-adds its time to the step it follows.
+Versions evaluated: 0 (before training), the first version held at or after each multiple of
+``eval_every``, and the final version after the last step. Who evaluates (``trainer.eval.host``):
+
+- an evaluation worker of its own (``own``; ``auto`` outside colocate mode), a copy of the rollout
+  engine that loads each due version from the object store (``relax.runtime.roles.evaluation``).
+  Training never waits for it: on GPUs it has devices of its own; on CPU it runs at a lower
+  priority (``yield_cpu_to_training``), in the CPU time the rollout and the actor leave idle.
+- the rollout that hosts the run's step loop (``rollout``; ``auto`` in colocate mode), with the
+  backend it generates with, right after it produced a step. In separate mode that overlaps the
+  actor's training of the step, but the next step's generation starts only when the evaluation
+  ends: with ``max_staleness: 1`` the rollout usually sets the pace, so training is delayed by about
+  the evaluation's length. In colocate mode the evaluation adds its time to the step it follows.
 
 Each evaluation generates ``samples_per_prompt`` responses per prompt from a seed of its own that
 is the same for every version, so two evaluations differ by the weights only. A response passes
@@ -28,6 +32,23 @@ from relax.runtime.data import prompt_rows
 
 #: The evaluation's sampling seed: fixed, so every version answers the same draws.
 EVAL_SEED_OFFSET = 7_777_777
+
+
+def yield_cpu_to_training() -> None:
+    """Lower the calling thread to the lowest CPU priority there is, so an evaluation worker on CPU
+    runs in the time the rollout and the actor leave idle and yields the rest: Linux's
+    ``SCHED_IDLE`` (per thread), else ``nice`` 19. Ray already starts its workers at nice 15, so
+    nice alone would leave the evaluation about a third of a core it shares with training;
+    ``SCHED_IDLE`` leaves it a few percent."""
+    import os
+
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError:
+            pass
+    os.nice(19 - os.nice(0))
 
 
 def pass_at_k(n: int, passed: int, k: int) -> float:
@@ -79,6 +100,13 @@ class Evaluator:
         self.done: set[int] = set()
         """Versions this process evaluated (a restarted rollout may evaluate one again)."""
 
+    def next_due(self, version: int) -> int:
+        """The lowest version after ``version`` that can be due: the next multiple of ``eval_every``
+        (none: the final version)."""
+        if not self.every:
+            return self.steps
+        return min(self.steps, (version // self.every + 1) * self.every)
+
     def due(self, version: int) -> bool:
         """Whether ``version`` is to be evaluated: the final version; with ``eval_every``, also the
         first version held at or after 0 and each multiple (none evaluated since that multiple)."""
@@ -114,3 +142,14 @@ class Evaluator:
         figures.update({f"eval/{k}": v for k, v in report.stats().items() if k.endswith("/mean")})
         self.done.add(version)
         return {"eval/version": float(version), **figures, "eval/seconds": time.perf_counter() - started}
+
+    def run(self, env: Any, version: int, step: int, who: str) -> None:
+        """Evaluate ``version`` (traced as a ``relax.evaluate`` span of ``who``, the rollout or the
+        evaluation worker, under ``step``) and post the figures to ``RunState`` for the controller."""
+        from relax.telemetry import EVALUATE
+
+        with env.telemetry.span(EVALUATE, step=step, role=who, policy_version=version) as span, \
+                env.activity.busy(f"{who} evaluates policy v{version} on data.eval"):
+            figures = self.evaluate(version)
+            span.set(samples=int(figures["eval/samples"]))
+        env.state.post_eval.remote(figures)

@@ -46,7 +46,9 @@ class RunState:
         self._ready: set[tuple[str, str]] = set()
         self._reports: dict[int, dict[str, dict[str, Any]]] = {}
         self._evals: list[dict[str, float]] = []
-        """Evaluations posted by the rollout (``relax.runtime.evaluation``) the controller has not taken."""
+        """Evaluations posted (``relax.runtime.evaluation``) the controller has not taken."""
+        self._evaluated: set[int] = set()
+        """Every policy version evaluated in this attempt of the run (a restarted evaluator skips them)."""
         self._stopped = False
         self._failure: str | None = None
 
@@ -236,9 +238,14 @@ class RunState:
     # -- evaluation --------------------------------------------------------------------------------
 
     async def post_eval(self, figures: dict[str, float]) -> None:
-        """The rollout evaluated a policy version (``eval/*`` figures, ``eval/version`` among them)."""
+        """A policy version was evaluated (``eval/*`` figures, ``eval/version`` among them)."""
         self._evals.append(figures)
+        self._evaluated.add(int(figures["eval/version"]))
         await self._notify()
+
+    async def evaluated(self) -> list[int]:
+        """The policy versions evaluated so far in this attempt of the run, in order."""
+        return sorted(self._evaluated)
 
     async def wait_eval(self, min_version: int, timeout_s: float) -> list[dict[str, float]]:
         """Once an evaluation of a version at least ``min_version`` is posted: every evaluation not

@@ -135,8 +135,9 @@ class Supervision:
         policies = [getattr(self.faults.roles, role).on_failure for role in roles]
         return next(p for p in POLICY_ORDER if p in policies)
 
-    def _charge(self, roles: list[str], reason: str, action: str) -> None:
-        """Count a recovery against each role's budget; past it, stop with a report."""
+    def _charge(self, roles: list[str], reason: str, action: str, holder: str | None = None) -> None:
+        """Count a recovery against each role's budget; past it, stop with a report. ``holder``: the
+        worker that failed, when one did (its name tells the evaluation worker from the rollout)."""
         from relax.telemetry import FAULT
 
         for role in roles:
@@ -146,9 +147,11 @@ class Supervision:
                 raise RunFailed(f"{role} failed {self.restarts[role]} times, past fault_tolerance.roles.{role}."
                                 f"max_restarts={budget}; last failure: {reason}")
         event = {"at": time.time(), "roles": roles, "action": action, "reason": reason.splitlines()[0][:500]}
+        if holder is not None:
+            event["worker"] = holder
         self.events.append(event)
         with self.telemetry.span(FAULT, role="/".join(roles), action=action, reason=event["reason"],
-                                 restarts=sum(self.restarts.values())):
+                                 restarts=sum(self.restarts.values()), **({"worker": holder} if holder else {})):
             pass
 
     def _failed(self, slot: Slot, reason: str) -> None:
@@ -157,7 +160,7 @@ class Supervision:
             raise RunFailed(f"{slot.holder} failed and its policy is stop (fault_tolerance.roles): {reason}")
         if policy == "resume":
             raise ResumeRun(slot.roles, f"{slot.holder} failed: {reason.splitlines()[0]}")
-        self._charge(slot.roles, reason, "restart")
+        self._charge(slot.roles, reason, "restart", slot.holder)
         self._restart(slot, reason)
 
     def _restart(self, slot: Slot, reason: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import torch
 
-from relax.roles import CRITIC_VALUES, Role
+from relax.roles import CRITIC_VALUES, EVALUATION, Role
 from relax.runtime.checkpoint import restore_rng
 from relax.runtime.health import Heartbeat
 from relax.runtime.ranks import RankedTrainer, RankPlacement
@@ -25,6 +25,7 @@ from relax.runtime.role_env import RoleEnv, RunStopped
 from relax.runtime.roles.actor import ActorLoop
 from relax.runtime.roles.advantage import AdvantageLoop
 from relax.runtime.roles.critic import CriticTrainLoop, CriticValueLoop
+from relax.runtime.roles.evaluation import EvaluationLoop
 from relax.runtime.roles.forward import ForwardLoop
 from relax.runtime.roles.reward import RewardLoop
 from relax.runtime.roles.rollout import RolloutLoop
@@ -120,6 +121,7 @@ class RoleWorker:
         self.roles = [Role(r) for r in plan.role_names]
         self.state = state
         self.settings = settings
+        self.start_step = launch.start_step
         torch.set_num_threads(plan.threads)
         output_dir = Path(launch.output_dir)
         telemetry = Telemetry.from_spec(settings, output_dir, role="/".join(self.roles), spec_hash=launch.spec_hash,
@@ -168,6 +170,7 @@ class RoleWorker:
                          else ForwardLoop(self.env, fwd, weights=ObjectStoreWeights(self.env)))
         critic_values = CriticValueLoop(self.env, loops[CRITIC_VALUES]) if CRITIC_VALUES in loops else None
         critic = CriticTrainLoop(self.env, loops[Role.critic], critic_values) if critic_values is not None else None
+        evaluation = EvaluationLoop(self.env, loops[EVALUATION]) if EVALUATION in loops else None
         # Co-hosted roles pass a step's rows along in memory, as the plan says (``hands_to``): the
         # rollout to the scorer riding on it, the scorer to the advantage estimator beside it; the
         # last of them writes to the bus.
@@ -179,7 +182,8 @@ class RoleWorker:
         elif reward is not None and loops[Role.reward].hands_to == Role.advantage:
             reward.handoff = advantage
         by_task = {Role.rollout: rollout, Role.reward: reward, Role.reference: reference, CRITIC_VALUES: critic_values,
-                   Role.advantage: advantage, Role.actor_fwd: actor_fwd, Role.actor: actor, Role.critic: critic}
+                   Role.advantage: advantage, Role.actor_fwd: actor_fwd, Role.actor: actor, Role.critic: critic,
+                   EVALUATION: evaluation}
         # One step of every hosted loop, in the plan's (data) order.
         self.loops: list[Any] = [by_task[loop.task] for loop in plan.roles]
         self.env.bus = attaching.result() if attaching is not None else None
@@ -267,6 +271,19 @@ class RoleWorker:
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "units": units, "stopped": False}
+
+    def evaluate(self) -> dict[str, Any]:
+        """The evaluation worker (``trainer.eval.host: own``): evaluate every due policy version,
+        through the final one."""
+        try:
+            made = self.loops[0].run(self.start_step)
+        except RunStopped:
+            return {"roles": self.roles, "evaluations": 0, "stopped": True}
+        except Exception as exc:
+            raise role_failure(f"the evaluation worker {self.env.holder} failed", exc) from None
+        finally:
+            self.env.telemetry.flush()
+        return {"roles": self.roles, "evaluations": made, "stopped": False}
 
     def close(self) -> None:
         """Flush this process's spans, stop the other ranks of its model roles and let go of the bus

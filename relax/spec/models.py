@@ -661,6 +661,14 @@ class EvalSpec(Section):
     greedy (then one sample per prompt says all)."""
     pass_threshold: float = 1.0
     """A response passes when its reward (the weighted sum of ``rewards``) is at least this."""
+    host: Literal["auto", "own", "rollout"] = "auto"
+    """Where the evaluation generates. ``own``: an evaluation worker of its own (a copy of the
+    rollout engine on ``roles.rollout.gpus_per_replica`` free GPUs, or a CPU worker that takes only
+    the CPU time training leaves idle) loads each evaluated version from the object store, so
+    training never waits for it. ``rollout``: the rollout evaluates right after producing a step,
+    which delays its next step by the evaluation's length. ``auto``: ``own`` outside colocate mode
+    when the cluster has the GPUs for it (always on CPU), else ``rollout``; ``relax plan`` shows
+    which."""
 
 
 class TrainerSpec(Section):

@@ -674,6 +674,10 @@ def check_evaluation(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                             "trainer.eval_every")
         return
     fix = "remove data.eval"
+    if spec.trainer.eval.host == "own" and spec.placement.mode == "colocate":
+        yield SpecIssue("trainer.eval.host", "an evaluation worker of its own is not supported in colocate mode "
+                        "(the policy's weights stay in the colocated process)",
+                        "set trainer.eval.host: rollout or auto (the rollout evaluates between steps)")
     if spec.roles.reward.host == "own":
         yield SpecIssue("data.eval", "the evaluation scores in the rollout worker, but roles.reward.host is own "
                         "(the rewards run in workers of their own)", f"set roles.reward.host: rollout, or {fix}")

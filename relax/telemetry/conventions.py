@@ -44,7 +44,8 @@ FORWARD: Final = "relax.forward"
 CHECKPOINT: Final = "relax.checkpoint"
 """Writing a checkpoint."""
 EVALUATE: Final = "relax.evaluate"
-"""The rollout evaluating one policy version on the held-out prompts (``data.eval``)."""
+"""The evaluation worker (or the rollout, ``trainer.eval.host``) evaluating one policy version on
+the held-out prompts (``data.eval``)."""
 AGENT_TURN: Final = "relax.agent.turn"
 """One model turn of an agentic trajectory (``relax.trajectory``, ``relax.turn``), from its
 request to its tokens; nested in the rollout batch."""

@@ -48,6 +48,9 @@ def test_separate_and_colocate_runs_evaluate_each_due_version_once(local_ray, tm
     evaluated = sorted(s["attributes"]["relax.policy_version"] for s in spans if s["name"] == "relax.evaluate")
     assert evaluated == versions
     assert "evaluation" in printed and "v0 -> v8" in printed
+    # trainer.eval.host auto, separate mode: a worker of its own evaluated, not the rollout
+    workers = json.loads((tmp_path / "separate" / "workers.json").read_text())
+    assert [(w["holder"], w["pool"]) for w in workers if w["holder"] == "evaluation"] == [("evaluation", "evaluation")]
 
     code, _, printed = testing.tiny_run(tmp_path, "colocate", *EVAL, "placement.mode=colocate",
                                         "async_policy.max_staleness=0")

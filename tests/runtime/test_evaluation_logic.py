@@ -67,3 +67,50 @@ def test_each_multiple_is_evaluated_once_at_the_first_version_held_after_it():
 def test_without_an_interval_only_the_final_version_is_evaluated():
     evaluator = _evaluator(every=0, steps=12)
     assert [v for v in range(13) if evaluator.due(v)] == [12]
+
+
+
+class _Published:
+    """The run's published policy versions as an evaluation worker sees them: each wait answers
+    the newest version, ``lag`` versions past the one asked for (training ran on meanwhile)."""
+
+    def __init__(self, lag: int, steps: int) -> None:
+        self.lag, self.steps, self.asked = lag, steps, []
+
+    def wait(self, min_version: int, held: int):
+        self.asked.append(min_version)
+        version = min(self.steps, min_version + self.lag) if min_version else 0
+        return version, ({"w": version} if version > held else None)
+
+
+class _Backend:
+    version = 0
+
+    def load_weights(self, weights, version):
+        assert weights == {"w": version}
+        self.version = version
+
+
+@pytest.mark.parametrize("every, lag, before, expected", [
+    (10, 0, [], [0, 10, 20, 30, 40]),  # keeps up: each multiple itself
+    (10, 7, [], [0, 17, 27, 37, 40]),  # falls behind: the newest version at its turn, one per multiple
+    (0, 0, [], [40]),  # no interval: only the final version
+    (10, 0, [0, 10], [20, 30, 40]),  # restarted in place after evaluating 0 and 10: goes on from there
+])
+def test_the_evaluation_worker_evaluates_each_due_version_through_the_final_one(every, lag, before, expected):
+    from contextlib import nullcontext
+
+    from relax.runtime.roles.evaluation import EvaluationLoop
+
+    posted = []
+    loop = EvaluationLoop.__new__(EvaluationLoop)  # its plugins are pure stand-ins here
+    loop.env = SimpleNamespace(settings=SimpleNamespace(steps=40), call=lambda answer: answer,
+                               state=SimpleNamespace(evaluated=SimpleNamespace(remote=lambda: before)),
+                               telemetry=SimpleNamespace(span=lambda *a, **k: nullcontext()),
+                               activity=SimpleNamespace(busy=lambda label: nullcontext()))
+    loop.context, loop.backend = SimpleNamespace(device="cuda"), _Backend()
+    loop.weights = _Published(lag, 40)
+    loop.evaluator = _evaluator(every=every, steps=40)
+    loop.evaluator.run = lambda env, version, step, who: (loop.evaluator.done.add(version), posted.append(version))
+    assert loop.run(0) == len(expected)
+    assert posted == expected and loop.backend.version == 40

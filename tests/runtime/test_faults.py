@@ -67,6 +67,29 @@ def test_a_killed_rollout_restarts_in_place_and_loses_or_repeats_nothing(tmp_pat
     assert "process died" in span["attributes"]["relax.reason"]
 
 
+def test_a_killed_evaluation_worker_restarts_in_place_and_training_is_untouched(tmp_path, reference) -> None:
+    """The evaluation worker (``trainer.eval.host: auto`` in separate mode) dies mid-run: it is a
+    rollout engine (the rollout's policy and budget), restarted in place; training trains exactly
+    the reference's samples, and the final version is still evaluated."""
+    import json
+    import os
+
+    evaluation = ("data.eval={source: 'synthetic:arithmetic', options: {size: 8, seed: 1}}", "trainer.eval_every=2")
+    run = LiveRun(tmp_path, "kill-evaluation", *FAULTS, *evaluation).start()
+    run.wait_rows(2)
+    [worker] = [w for w in run.status()["workers"] if w["holder"] == "evaluation" and w["pid"]]
+    os.kill(worker["pid"], signal.SIGKILL)
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    same_data(rows, reference)
+    exactly_once(rows[-1])
+    assert rows[-1]["faults/rollout/restarts"] == 1
+    [span] = fault_spans(run)
+    assert span["attributes"]["relax.worker"] == "evaluation" and "process died" in span["attributes"]["relax.reason"]
+    versions = [json.loads(line)["eval/version"] for line in (run.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert versions[0] == 0 and versions[-1] == STEPS and versions == sorted(set(versions)), versions
+
+
 def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_path, reference) -> None:
     run = LiveRun(tmp_path, "kill-actor", *FAULTS).start()
     run.wait_rows(3)

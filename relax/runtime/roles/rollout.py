@@ -30,7 +30,7 @@ from relax.runtime.role_env import RoleEnv
 from relax.runtime.rows import rollout_columns
 from relax.runtime.run_state import partition_of
 from relax.runtime.weight_channels import WeightChannel, WeightPull
-from relax.telemetry import EVALUATE, ROLLOUT_BATCH, WEIGHT_SYNC
+from relax.telemetry import ROLLOUT_BATCH, WEIGHT_SYNC
 
 if TYPE_CHECKING:
     from relax.runtime.agent import AgentSampler
@@ -133,12 +133,7 @@ class RolloutLoop:
         version = self.backend.version
         if not evaluator.due(version):
             return
-        env = self.env
-        with env.telemetry.span(EVALUATE, step=self._producing, policy_version=version) as span, \
-                env.activity.busy(f"rollout evaluates policy v{version} on data.eval"):
-            figures = evaluator.evaluate(version)
-            span.set(samples=int(figures["eval/samples"]))
-        env.state.post_eval.remote(figures)
+        evaluator.run(self.env, version, self._producing, "rollout")
 
     def finish(self) -> None:
         """After the last step: evaluate the final policy version (it is published once the actor
