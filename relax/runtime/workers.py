@@ -11,7 +11,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -261,29 +261,30 @@ class RoleWorker:
 
     def serve(self) -> dict[str, Any]:
         """An extra rollout replica: produce units until the run needs no more or it is drained."""
-        try:
+        def units() -> int:
             with self.env.activity.waiting("rollout replica leases units"):
-                units = self.loops[0].serve()
-        except RunStopped:
-            return {"roles": self.roles, "units": 0, "stopped": True}
-        except Exception as exc:
-            raise role_failure(f"rollout replica {self.env.holder} failed", exc) from None
-        finally:
-            self.env.telemetry.flush()
-        return {"roles": self.roles, "units": units, "stopped": False}
+                return self.loops[0].serve()
+
+        return self._task(units, "units", f"rollout replica {self.env.holder} failed")
 
     def evaluate(self) -> dict[str, Any]:
         """The evaluation worker (``trainer.eval.host: own``): evaluate every due policy version,
         through the final one."""
+        return self._task(lambda: self.loops[0].run(self.start_step), "evaluations",
+                          f"the evaluation worker {self.env.holder} failed")
+
+    def _task(self, work: Callable[[], int], counted: str, failed: str) -> dict[str, Any]:
+        """A task other than the step loop (an extra replica's units, the evaluations): how many it
+        made under ``counted``, or that the run stopped it; its failure as a ``RoleFailure``."""
         try:
-            made = self.loops[0].run(self.start_step)
+            made = work()
         except RunStopped:
-            return {"roles": self.roles, "evaluations": 0, "stopped": True}
+            return {"roles": self.roles, counted: 0, "stopped": True}
         except Exception as exc:
-            raise role_failure(f"the evaluation worker {self.env.holder} failed", exc) from None
+            raise role_failure(failed, exc) from None
         finally:
             self.env.telemetry.flush()
-        return {"roles": self.roles, "evaluations": made, "stopped": False}
+        return {"roles": self.roles, counted: made, "stopped": False}
 
     def close(self) -> None:
         """Flush this process's spans, stop the other ranks of its model roles and let go of the bus

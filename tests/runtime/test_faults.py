@@ -47,6 +47,19 @@ def fault_spans(run: LiveRun) -> list[dict]:
     return [s for s in read_spans(run.run_dir / "traces.jsonl") if s["name"] == "relax.fault"]
 
 
+def restarted_once_in_place(run: LiveRun, reference: list[dict]) -> dict:
+    """The run ended well, trained exactly the reference's samples, and restarted a rollout worker
+    once: that restart's ``relax.fault`` span."""
+    assert run.wait() == 0, run.output()
+    rows = run.rows()
+    same_data(rows, reference)
+    exactly_once(rows[-1])
+    assert rows[-1]["faults/rollout/restarts"] == 1
+    [span] = fault_spans(run)
+    assert span["attributes"]["relax.action"] == "restart"
+    return span
+
+
 def test_the_undisturbed_run_counts_every_sample_once(reference) -> None:
     exactly_once(reference[-1])
     assert reference[-1]["faults/restarts"] == 0 and reference[-1]["samples/regenerated"] == 0
@@ -56,13 +69,7 @@ def test_a_killed_rollout_restarts_in_place_and_loses_or_repeats_nothing(tmp_pat
     run = LiveRun(tmp_path, "kill-rollout", *FAULTS).start()
     run.wait_rows(2)
     killed = run.kill_worker("rollout")
-    assert run.wait() == 0, run.output()
-    rows = run.rows()
-    same_data(rows, reference)
-    exactly_once(rows[-1])
-    assert rows[-1]["faults/rollout/restarts"] == 1
-    [span] = fault_spans(run)
-    assert span["attributes"]["relax.action"] == "restart"
+    span = restarted_once_in_place(run, reference)
     assert span["attributes"]["relax.role"] == killed["holder"]
     assert "process died" in span["attributes"]["relax.reason"]
 
@@ -79,12 +86,7 @@ def test_a_killed_evaluation_worker_restarts_in_place_and_training_is_untouched(
     run.wait_rows(2)
     [worker] = [w for w in run.status()["workers"] if w["holder"] == "evaluation" and w["pid"]]
     os.kill(worker["pid"], signal.SIGKILL)
-    assert run.wait() == 0, run.output()
-    rows = run.rows()
-    same_data(rows, reference)
-    exactly_once(rows[-1])
-    assert rows[-1]["faults/rollout/restarts"] == 1
-    [span] = fault_spans(run)
+    span = restarted_once_in_place(run, reference)
     assert span["attributes"]["relax.worker"] == "evaluation" and "process died" in span["attributes"]["relax.reason"]
     versions = [json.loads(line)["eval/version"] for line in (run.run_dir / "eval.jsonl").read_text().splitlines()]
     assert versions[0] == 0 and versions[-1] == STEPS and versions == sorted(set(versions)), versions
