@@ -206,7 +206,7 @@ class Controller(Deployment, Supervision, Elastic):
         auto = settings.auto_staleness
         self.staleness = None if auto is None else StalenessController(auto)
         self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
-            ledger, None if self.staleness is None else self.staleness.bound)
+            ledger, None if self.staleness is None else self.staleness.bound, self.metrics.evaluated_versions())
         self.attempt_start, self.resume_from_path = start, resume_from
         self._consumed = 0
         self._slots = [Slot(worker, self.placement.actor_options(worker.instance)) for worker in self.plan.workers]

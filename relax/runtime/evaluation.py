@@ -98,7 +98,8 @@ class Evaluator:
         prompts = len(dataset) if self.spec.max_prompts is None else min(self.spec.max_prompts, len(dataset))
         self.indices = list(range(prompts))
         self.done: set[int] = set()
-        """Versions this process evaluated (a restarted rollout may evaluate one again)."""
+        """Versions evaluated: by this process, and before it (``RunState.evaluated``, which the
+        evaluating loops seed it from: a worker restarted in place, a resumed run)."""
 
     def next_due(self, version: int) -> int:
         """The lowest version after ``version`` that can be due: the next multiple of ``eval_every``

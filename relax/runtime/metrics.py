@@ -118,6 +118,13 @@ class MetricsLog:
         with self.path.open("a") as out:
             out.write(json.dumps(row) + "\n")
 
+    def evaluated_versions(self) -> list[int]:
+        """The policy versions eval.jsonl holds an evaluation of (after a resume: those of the kept
+        rows), so the resumed run does not evaluate them again."""
+        if not self.eval_path.exists():
+            return []
+        return sorted({int(row["eval/version"]) for row in read_rows(self.eval_path)})
+
     def append_eval(self, step: int, figures: dict[str, float]) -> None:
         """An evaluation, written with the row of ``step`` (eval.jsonl keeps every one)."""
         with self.eval_path.open("a") as out:

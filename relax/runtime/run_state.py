@@ -31,7 +31,8 @@ def partition_of(step: int) -> str:
 class RunState:
     """Versions, signals and reports of one run (use as ``ray.remote(RunState)``)."""
 
-    def __init__(self, ledger: RolloutLedger | None = None, bound: int | None = None) -> None:
+    def __init__(self, ledger: RolloutLedger | None = None, bound: int | None = None,
+                 evaluated: list[int] | None = None) -> None:
         self._ledger = ledger
         self._bound = bound
         """``max_staleness: auto``: the bound the controller chose (None: the caller's, fixed)."""
@@ -47,8 +48,9 @@ class RunState:
         self._reports: dict[int, dict[str, dict[str, Any]]] = {}
         self._evals: list[dict[str, float]] = []
         """Evaluations posted (``relax.runtime.evaluation``) the controller has not taken."""
-        self._evaluated: set[int] = set()
-        """Every policy version evaluated in this attempt of the run (a restarted evaluator skips them)."""
+        self._evaluated: set[int] = set(evaluated or ())
+        """Every policy version evaluated in the run: before this attempt (eval.jsonl, after a resume)
+        and in it. An evaluator that starts or restarts skips them."""
         self._stopped = False
         self._failure: str | None = None
 
@@ -244,7 +246,7 @@ class RunState:
         await self._notify()
 
     async def evaluated(self) -> list[int]:
-        """The policy versions evaluated so far in this attempt of the run, in order."""
+        """The policy versions evaluated so far in the run, in order."""
         return sorted(self._evaluated)
 
     async def wait_eval(self, min_version: int, timeout_s: float) -> list[dict[str, float]]:

@@ -114,3 +114,22 @@ def test_the_evaluation_worker_evaluates_each_due_version_through_the_final_one(
     loop.evaluator.run = lambda env, version, step, who: (loop.evaluator.done.add(version), posted.append(version))
     assert loop.run(0) == len(expected)
     assert posted == expected and loop.backend.version == 40
+
+
+def test_a_resumed_run_does_not_evaluate_again_what_its_kept_rows_evaluated(tmp_path):
+    """Resuming from the checkpoint of step 6 keeps the evaluations written with rows 1..6; the new
+    attempt's ``RunState`` starts from their versions, which every evaluator seeds ``done`` from."""
+    import asyncio
+    import json
+
+    from relax.runtime.metrics import MetricsLog
+    from relax.runtime.run_state import RunState
+
+    lines = [{"step": 1, "eval/version": 0.0}, {"step": 5, "eval/version": 4.0}, {"step": 9, "eval/version": 8.0}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    log = MetricsLog(tmp_path, resume_step=6)
+    assert log.evaluated_versions() == [0, 4]
+    state = RunState(evaluated=log.evaluated_versions())
+    asyncio.run(state.post_eval({"eval/version": 8.0}))
+    assert asyncio.run(state.evaluated()) == [0, 4, 8]
+    assert MetricsLog(tmp_path, resume_step=None).evaluated_versions() == []  # a new run starts clean

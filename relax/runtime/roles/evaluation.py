@@ -37,14 +37,15 @@ class EvaluationLoop:
 
     def run(self, start: int) -> int:
         """Evaluate from version ``start`` (the step this attempt of the run starts at), or after the
-        last version evaluated (a worker restarted in place), through the final version; returns
-        how many evaluations it made."""
+        last version evaluated (a worker restarted in place, a resumed run), through the final
+        version; returns how many evaluations it made."""
         env, evaluator, steps = self.env, self.evaluator, self.env.settings.steps
         if self.context.device == "cpu":
             # This thread runs every evaluation (one torch thread on CPU, the plan's); the heartbeat
             # keeps its priority.
             yield_cpu_to_training()
-        # Restarted in place: the versions evaluated before the failure are not evaluated again.
+        # Versions evaluated before (by this worker before it was restarted in place, or before a
+        # resume from a checkpoint: eval.jsonl) are not evaluated again.
         evaluator.done.update(env.call(env.state.evaluated.remote()))
         made, target = 0, evaluator.next_due(max(evaluator.done)) if evaluator.done else start
         while True:
