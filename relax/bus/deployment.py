@@ -4,7 +4,8 @@ How TransferQueue 0.1.11 runs (read from its ``interface.py``, ``controller.py``
 ``storage/bootstrap``):
 
 - ``transfer_queue.init(conf)`` in one process creates a named Ray actor
-  ``TransferQueueController`` (namespace ``transfer_queue``, 1 logical CPU), runs the storage
+  ``TransferQueueController`` (namespace ``transfer_queue``, 1 logical CPU; we have it create
+  ``relax.bus.controller``'s subclass, whose process starts lighter), runs the storage
   backend's bootstrap, then stores the merged config, including the controller's ZMQ address,
   in the controller. Our backend (``relax.bus.payloads``, ``RelaxObjectStore``) keeps the data in
   Ray's object store; its bootstrap starts only the payload keeper (no logical CPU), so the bus
@@ -34,7 +35,7 @@ from typing import Any
 
 import ray
 
-from relax.bus import payloads
+from relax.bus import controller, payloads
 from relax.bus.errors import BusError
 from relax.bus.transferqueue import TransferQueueClient
 from relax.bus.transferqueue import transfer_queue as tq
@@ -43,7 +44,7 @@ CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 
 #: Logical CPUs the TransferQueue controller actor asks Ray for (the payload keeper takes none).
-_CONTROLLER_CPUS = 1
+_CONTROLLER_CPUS = controller.CPUS
 
 
 def logical_cpus() -> int:
@@ -96,7 +97,8 @@ def start_deployment(node_resource: str | None = None) -> TransferQueueClient:
             payloads.BACKEND: {"required_node_resource": node_resource},
         },
     }
-    tq.init(conf)
+    with controller.started_from_here():  # its process skips torch._dynamo (relax.bus.controller)
+        tq.init(conf)
     return tq.get_client()
 
 

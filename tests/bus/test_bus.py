@@ -298,3 +298,15 @@ def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partiti
 def test_the_bus_field_name_is_reserved(bus: Bus, partition: str) -> None:
     with pytest.raises(BusError, match="bus's own field"):
         bus.put(partition, {"__row_meta__": torch.zeros(1)}, _meta(1))
+
+
+def test_the_controller_process_imports_transferqueue_without_torch_dynamo(bus: Bus) -> None:
+    """TransferQueue's controller runs from ``relax.bus.controller``, so its process skips
+    tensordict's ``torch._dynamo`` import (about a second of CPU on every run's start-up)."""
+    from relax.bus import deployment
+
+    controller = deployment.find_controller()
+    assert controller is not None
+    loaded = ray.get(controller.__ray_call__.remote(
+        lambda _: sorted(m for m in __import__("sys").modules if m in ("relax.bus.controller", "torch._dynamo"))))
+    assert loaded == ["relax.bus.controller"]
