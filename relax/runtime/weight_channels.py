@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import ray
+import torch
 
 from relax.runtime.role_env import RoleEnv
 
@@ -47,6 +49,58 @@ class InProcessWeights:
         return self.version, (self.weights if self.version > held else None)
 
 
+#: Where each tensor starts in a packed buffer is a multiple of this many bytes, so every slice can
+#: be viewed as its own dtype.
+_ALIGN = 64
+
+
+@dataclass
+class PackedWeights:
+    """A state dict as one byte buffer plus each tensor's name, dtype, shape and offset: how weights
+    travel through the object store.
+
+    Why: Ray serializes a dict of tensors tensor by tensor. For the tiny CPU model (21 tensors,
+    0.5 MB) a ``ray.put`` took 3.4 ms and a ``ray.get`` in another process 2.2 ms, both on the
+    step's critical path in separate mode (the rollout of the next step waits for them); one numpy
+    buffer takes 1.9 ms and 0.05 ms, and slicing it back into tensors 0.5 ms.
+    """
+
+    buffer: np.ndarray
+    tensors: list[tuple[str, str, tuple[int, ...], int]]
+    """(name, dtype name, shape, byte offset) of each tensor, in the state dict's order."""
+
+    @classmethod
+    def of(cls, weights: dict[str, Any]) -> PackedWeights | dict[str, Any]:
+        """Pack ``weights``; a dict holding anything but tensors is returned as it is."""
+        if not all(isinstance(t, torch.Tensor) for t in weights.values()):
+            return weights
+        entries, offset = [], 0
+        for name, tensor in weights.items():
+            entries.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+        buffer = torch.empty(offset, dtype=torch.uint8)
+        for (_, _, _, start), tensor in zip(entries, weights.values()):
+            raw = tensor.detach().reshape(-1).view(torch.uint8)
+            buffer[start:start + raw.numel()].copy_(raw)
+        return cls(buffer=buffer.numpy(), tensors=entries)
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """The state dict back, as views into one writable copy of the buffer (the object store's
+        own copy is read-only)."""
+        data = torch.from_numpy(self.buffer.copy())
+        out = {}
+        for name, dtype_name, shape, start in self.tensors:
+            dtype = getattr(torch, dtype_name)
+            count = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            out[name] = data[start:start + count].view(dtype).view(shape)
+        return out
+
+
+def unpacked(weights: PackedWeights | dict[str, Any]) -> dict[str, Any]:
+    """What ``PackedWeights.of`` was given."""
+    return weights.unpack() if isinstance(weights, PackedWeights) else weights
+
+
 class ObjectStoreWeights:
     """Separate/hybrid: weights go through Ray's object store; ``RunState`` holds the reference."""
 
@@ -56,11 +110,11 @@ class ObjectStoreWeights:
     def publish(self, version: int, weights: dict[str, Any]) -> None:
         # Not awaited: calls from one process to one actor run in order, and the reference keeps
         # the weights alive in this process's object store until a newer version replaces them.
-        self.env.state.publish.remote(version, [ray.put(weights)])
+        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))])
 
     def wait(self, min_version: int, held: int) -> tuple[int, dict[str, Any] | None]:
         policy = self.env.wait_version(min_version)
-        return policy.version, (ray.get(policy.weights[0], timeout=self.env.timeout_s)
+        return policy.version, (unpacked(ray.get(policy.weights[0], timeout=self.env.timeout_s))
                                 if policy.version > held else None)
 
 
@@ -91,7 +145,7 @@ class CollectiveWeights:
 
     def publish(self, version: int, weights: dict[str, Any]) -> None:
         self.snapshot = (version, weights)  # before the version is announced: a pull sends >= it
-        self.env.state.publish.remote(version, [ray.put(weights)] if self.object_store else [])
+        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))] if self.object_store else [])
 
     def open(self, holder: str, receivers: int) -> dict[str, Any]:
         """A new weight group for replica ``holder`` (replacing its old one): its address."""

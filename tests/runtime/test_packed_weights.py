@@ -1,0 +1,62 @@
+"""Weights through the object store travel as one buffer (``PackedWeights``): every tensor comes
+back bit for bit, with its dtype and shape, writable and independent of the sender's."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from relax.runtime.weight_channels import PackedWeights, unpacked
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(7, 5, generator=g),  # 140 bytes: the next offset needs padding
+        "norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(11, dtype=torch.int64),  # 0-d
+        "mask": torch.tensor([True, False, True]),
+        "half.weight": torch.randn(2, 3, generator=g).to(torch.float16).t(),  # not contiguous
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_a_state_dict_round_trips_bit_for_bit_through_one_buffer() -> None:
+    state = _state()
+    packed = PackedWeights.of(state)
+    assert isinstance(packed, PackedWeights) and packed.buffer.ndim == 1
+    back = packed.unpack()
+    assert list(back) == list(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert torch.equal(back[name], tensor), name
+
+
+def test_unpacked_tensors_are_writable_copies() -> None:
+    state = _state()
+    packed = PackedWeights.of(state)
+    back = packed.unpack()
+    back["embed.weight"].add_(1.0)
+    assert torch.equal(packed.unpack()["embed.weight"], state["embed.weight"])
+    state["norm.weight"].zero_()  # the sender's later changes do not reach what was packed
+    assert not torch.equal(packed.unpack()["norm.weight"], state["norm.weight"])
+
+
+def test_a_dict_with_other_values_travels_as_it_is() -> None:
+    weights = {"w": torch.ones(2), "_extra_state": {"scale": 2}}
+    assert PackedWeights.of(weights) is weights
+    assert unpacked(weights) is weights
+
+
+def test_packed_weights_survive_the_object_store() -> None:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        state = _state()
+        back = unpacked(ray.get(ray.put(PackedWeights.of(state))))
+        assert all(torch.equal(back[k], v) for k, v in state.items())
+        back["mask"][0] = False  # writable, though the store's buffer is read-only
+    finally:
+        if started:
+            ray.shutdown()
