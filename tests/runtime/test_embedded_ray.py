@@ -1,0 +1,43 @@
+"""The embedded Ray a run starts: its processes get ``EMBEDDED_RAY_ENV`` (no task events, no Ray
+metrics), and the driver's own environment is left as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from relax.runtime import launch
+
+
+def test_environment_is_set_inside_the_block_and_restored_after(monkeypatch) -> None:
+    monkeypatch.setenv("RELAX_TEST_KEPT", "before")
+    monkeypatch.delenv("RELAX_TEST_NEW", raising=False)
+    with launch._environment({"RELAX_TEST_KEPT": "inside", "RELAX_TEST_NEW": "1"}):
+        assert os.environ["RELAX_TEST_KEPT"] == "inside" and os.environ["RELAX_TEST_NEW"] == "1"
+    assert os.environ["RELAX_TEST_KEPT"] == "before" and "RELAX_TEST_NEW" not in os.environ
+
+
+def test_an_embedded_ray_s_workers_run_without_task_events_and_the_driver_keeps_its_environment(
+        tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import os
+        import ray
+        from relax.runtime.launch import EMBEDDED_RAY_ENV, _init_ray
+        from relax.testing import tiny_spec
+
+        spec, _, _ = tiny_spec({str(tmp_path)!r}, "embedded")
+        assert _init_ray(spec), "an embedded Ray was expected"
+        try:
+            seen = ray.get(ray.remote(lambda: {{k: os.environ.get(k) for k in EMBEDDED_RAY_ENV}}).remote())
+            assert seen == EMBEDDED_RAY_ENV, seen
+            assert not any(k in os.environ for k in EMBEDDED_RAY_ENV), "the driver's environment changed"
+        finally:
+            ray.shutdown()
+        print("checked")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in launch.EMBEDDED_RAY_ENV}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
