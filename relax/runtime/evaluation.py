@@ -101,6 +101,12 @@ class Evaluator:
         """Versions evaluated: by this process, and before it (``RunState.evaluated``, which the
         evaluating loops seed it from: a worker restarted in place, a resumed run)."""
 
+    def skip_evaluated(self, env: Any) -> None:
+        """Count the versions ``RunState`` says were evaluated as done (by a worker before it was
+        restarted in place, or before a resume from a checkpoint: eval.jsonl), so none is evaluated
+        twice."""
+        self.done.update(env.call(env.state.evaluated.remote()))
+
     def next_due(self, version: int) -> int:
         """The lowest version after ``version`` that can be due: the next multiple of ``eval_every``
         (none: the final version)."""

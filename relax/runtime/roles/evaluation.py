@@ -44,9 +44,7 @@ class EvaluationLoop:
             # This thread runs every evaluation (one torch thread on CPU, the plan's); the heartbeat
             # keeps its priority.
             yield_cpu_to_training()
-        # Versions evaluated before (by this worker before it was restarted in place, or before a
-        # resume from a checkpoint: eval.jsonl) are not evaluated again.
-        evaluator.done.update(env.call(env.state.evaluated.remote()))
+        evaluator.skip_evaluated(env)
         made, target = 0, evaluator.next_due(max(evaluator.done)) if evaluator.done else start
         while True:
             version, weights = self.weights.wait(target, self.backend.version)

@@ -158,8 +158,7 @@ class RolloutLoop:
         scorer = build_scorer(wiring.evaluation_rewards) if wiring.evaluation_rewards else self.scorer.rewards
         self._evaluator = Evaluator(self.env.settings, self.backend, build_planned(wiring.evaluation), scorer,
                                     self.context.sampling)
-        # Versions evaluated before (a resumed run's eval.jsonl, a rollout restarted in place) are not again.
-        self._evaluator.done.update(self.env.call(self.env.state.evaluated.remote()))
+        self._evaluator.skip_evaluated(self.env)
         return self._evaluator
 
     def serve(self) -> int:
