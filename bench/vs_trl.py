@@ -1,6 +1,6 @@
 """Relax against TRL's GRPOTrainer on the same work: steady s/step, whole-process time and reward.
 
-    python bench/vs_trl.py [--steps 60] [--runs 2] [--modes separate colocate]
+    python bench/vs_trl.py [--steps 60] [--runs 2] [--modes separate async colocate]
                            [--trl defaults matched] [--keep DIR] [--venv DIR] [--skip 5]
 
 A user who times Relax against a synchronous trainer on a small model compares these numbers, so
@@ -31,7 +31,8 @@ the bench measures both sides the way that user would, in one go, on one machine
   subprocess from spawn to exit (``relax run spec.yaml``, the TRL runner); *to 1st step* is the
   time from spawn to the end of the first step (Relax: ``startup.json``); *reward* is the mean
   reward of the last 10 steps. Relax runs in each of ``--modes``: ``separate`` (max_staleness 1,
-  the preset's default) and ``colocate`` (on-policy); its start-up line is printed too.
+  the preset's default), ``async`` (separate with max_staleness 2: the rollout may run two steps
+  ahead) and ``colocate`` (on-policy); its start-up line is printed too.
 
 It prints one table (medians over ``--runs`` with min-max) and the ratios Relax/TRL. It exits 0
 whatever the numbers say (a bench reports, it does not judge) and fails loudly, with the tail of the
@@ -71,6 +72,9 @@ LEARNING_RATE = 1e-4
 DATA_SIZE = 4096
 REWARD_LAST = 10
 """The reward column averages the last this many steps."""
+#: Relax's sides: placement mode and staleness bound. ``separate`` is the tiny preset's own (one
+#: step of slack); ``async`` gives the rollout two, so its loop with the actor spans three steps.
+MODES = {"separate": ("separate", 1), "async": ("separate", 2), "colocate": ("colocate", 0)}
 
 
 # -- the numbers ---------------------------------------------------------------------------------
@@ -222,8 +226,8 @@ def timed(command: list[str], log: Path, what: str, env: dict[str, str] | None =
 
 def relax_spec(work: Work, mode: str, steps: int, name: str, out_dir: Path) -> dict[str, Any]:
     """The tiny preset (``presets/tiny-cpu.yaml``, written out whole) with this bench's work pinned:
-    the shared model folder and data file, lr 1e-4, KL 0, no checkpoints, no tracing. ``mode``
-    separate keeps the preset's max_staleness 1; colocate is on-policy (0)."""
+    the shared model folder and data file, lr 1e-4, KL 0, no checkpoints, no tracing. ``mode`` is a
+    key of ``MODES``: the placement mode and ``max_staleness``."""
     from relax.config import load_spec_dict
 
     preset, _ = load_spec_dict("tiny-cpu", [f"name={name}"])
@@ -236,8 +240,8 @@ def relax_spec(work: Work, mode: str, steps: int, name: str, out_dir: Path) -> d
         "roles": {"rollout": {"backend": "hf",
                               "sampling": {"temperature": TEMPERATURE, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS}},
                   "actor": {"backend": "torch", "optimizer": {"lr": LEARNING_RATE}}},
-        "placement": {"mode": mode},
-        "async_policy": {"max_staleness": 1 if mode == "separate" else 0},
+        "placement": {"mode": MODES[mode][0]},
+        "async_policy": {"max_staleness": MODES[mode][1]},
         "trainer": {"steps": steps, "output_dir": str(out_dir), "checkpoint_every": 0},
         "tracing": {"exporter": "none"},
     })
@@ -354,8 +358,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run (default 60)")
     parser.add_argument("--runs", type=int, default=2, help="runs of each side; the table shows their median")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of steady s/step (default 5)")
-    parser.add_argument("--modes", nargs="+", choices=("separate", "colocate"), default=["separate", "colocate"],
-                        help="Relax's placement modes to run (default both)")
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                        help="Relax's sides to run (default all): separate (max_staleness 1), async (separate, "
+                             "max_staleness 2), colocate")
     parser.add_argument("--trl", nargs="+", choices=tuple(TRL_CONFIGS), default=list(TRL_CONFIGS),
                         help="TRL's configurations to run (default both); the ratios are against matched "
                              "when it runs")
@@ -372,7 +377,7 @@ def main() -> None:
     python = ensure_trl_venv((args.venv or default_venv()).expanduser().resolve())
     load_before = os.getloadavg()[0]
     trl_sides = {config: Side(f"TRL {TRL_VERSION} ({TRL_CONFIGS[config]})") for config in args.trl}
-    relax_sides = {mode: Side(f"Relax {mode}" + (" (max_staleness 1)" if mode == "separate" else ""))
+    relax_sides = {mode: Side(f"Relax {mode}" + (f" (max_staleness {MODES[mode][1]})" if MODES[mode][1] else ""))
                    for mode in args.modes}
     with tempfile.TemporaryDirectory(prefix="relax-vs-trl-") as tmp:
         work = build_work((args.keep or Path(tmp)).resolve())
