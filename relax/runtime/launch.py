@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from relax.environment import temporarily_set
 from relax.plan.model import Plan
 from relax.runtime.checkpoint import CheckpointError, list_checkpoints, resume_checkpoint
 from relax.spec.errors import SpecIssue
@@ -207,7 +208,7 @@ def _init_ray(spec: RunSpec) -> bool:
         # processes inherit this environment, so the run needs no runtime_env of its own, and without
         # one Ray hands the actors the worker processes it prestarts (each saves a Python start and
         # `import ray`); a worker setup hook does need one.
-        with _loopback_node(), _environment(EMBEDDED_RAY_ENV):
+        with _loopback_node(), temporarily_set(EMBEDDED_RAY_ENV):
             ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
                      logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None,
                      _node_ip_address=LOOPBACK)
@@ -215,22 +216,6 @@ def _init_ray(spec: RunSpec) -> bool:
         return True
     ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=_runtime_env(hook))
     return False
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in the environment while the block runs (the processes it starts inherit them),
-    then the environment as it was: a Python API user's own later ``ray.init`` is not affected."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextmanager

@@ -9,13 +9,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+from relax.environment import temporarily_set
 from relax.runtime import launch
 
 
 def test_environment_is_set_inside_the_block_and_restored_after(monkeypatch) -> None:
     monkeypatch.setenv("RELAX_TEST_KEPT", "before")
     monkeypatch.delenv("RELAX_TEST_NEW", raising=False)
-    with launch._environment({"RELAX_TEST_KEPT": "inside", "RELAX_TEST_NEW": "1"}):
+    with temporarily_set({"RELAX_TEST_KEPT": "inside", "RELAX_TEST_NEW": "1"}):
         assert os.environ["RELAX_TEST_KEPT"] == "inside" and os.environ["RELAX_TEST_NEW"] == "1"
     assert os.environ["RELAX_TEST_KEPT"] == "before" and "RELAX_TEST_NEW" not in os.environ
 

@@ -1,0 +1,25 @@
+"""Environment variables set for one block of code (``temporarily_set``): for the processes a block
+starts, which inherit them (an embedded Ray, a vLLM engine), while the caller's own environment is
+left as it was, so a Python API user's later ``ray.init`` or engine sees none of them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+
+@contextmanager
+def temporarily_set(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while the block runs, then each variable as it was (unset again
+    if it was unset)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
