@@ -60,13 +60,13 @@ import hashlib
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.contracts import Generation, RolloutContext, TokenPrompt
-from relax.environment import temporarily_set
 
 GIB = 1 << 30
 #: Where the worker-side half lives (vLLM imports it in its worker processes).
@@ -172,7 +172,7 @@ class VLLMRollout:
         self._thread.start()
         self.engine: Any = None
         try:
-            with temporarily_set(self._engine_environment()):
+            with _environment(self._engine_environment()):
                 self.engine = self._call(self._start_engine(self._engine_args()))
         except Exception:
             self.close()
@@ -703,3 +703,16 @@ def _checkpoint_shapes(model_path: str) -> dict[str, list[int]]:
     return shapes
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
