@@ -144,7 +144,6 @@ class Bus:
         partition: str,
         rows: Mapping[str, Column],
         meta: Sequence[RowMeta | Mapping[str, Any]],
-        into: RowHandle | None = None,
     ) -> RowHandle:
         """Append a batch of new rows to ``partition`` in one batched call.
 
@@ -154,9 +153,8 @@ class Bus:
         ``policy_version`` and ``sample_id``. The partition is created on first use.
 
         The metadata travels in the payload with the data (the bus's own field ``__row_meta__``),
-        so a consumer can never see a row without it. ``into``: rows ``reserve`` set aside for
-        this put, used when they match it (partition, row count and fields) and otherwise left
-        empty. Returns a handle on the new rows (for ``write_fields``).
+        so a consumer can never see a row without it. Returns a handle on the new rows (for
+        ``write_fields``).
         """
         row_meta = [RowMeta.coerce(m) for m in meta]
         if not row_meta:
@@ -165,37 +163,14 @@ class Bus:
             raise BusError(f"{ROW_META_FIELD!r} is the bus's own field (each row's RowMeta); name the column otherwise")
         columns = pack_columns(rows, len(row_meta))
         columns[ROW_META_FIELD] = pack_objects([m.to_tag() for m in row_meta])
-        if into is not None and into.partition == partition and len(into) == len(row_meta) \
-                and set(into.batch_meta.field_names) == set(columns):
-            batch_meta = into.batch_meta
-        else:
-            batch_meta = self._new_rows(partition, list(columns), len(row_meta))
+        batch_meta = self._ask(
+            f"for new rows in partition {partition!r}",
+            lambda c: c.async_get_meta(
+                data_fields=list(columns), batch_size=len(row_meta), partition_id=partition, mode="insert"
+            ),
+        )
         self._store(partition, batch_meta.global_indexes, columns)
         return RowHandle(partition=partition, batch_meta=batch_meta)
-
-    def reserve(self, partition: str, fields: Sequence[str], rows: int) -> RowHandle:
-        """Set aside ``rows`` new rows of ``partition`` for a later ``put(..., into=...)`` of these
-        ``fields``: that put then skips the controller's round trip for new rows.
-
-        Why: a producer that knows its next put (the sole rollout: the same columns and row count
-        every step) reserves while it generates, and the put, on the step's critical path, only
-        stores and announces. Reserved rows hold no field until the put: readers never see them, and
-        ones a put does not use (it failed, or it changed shape) stay empty until their partition is
-        cleared.
-        """
-        if rows < 1:
-            raise BusError(f"reserve needs at least one row, got {rows}")
-        if ROW_META_FIELD in fields:
-            raise BusError(f"{ROW_META_FIELD!r} is the bus's own field (each row's RowMeta); name the column otherwise")
-        batch_meta = self._new_rows(partition, [*fields, ROW_META_FIELD], rows)
-        return RowHandle(partition=partition, batch_meta=batch_meta)
-
-    def _new_rows(self, partition: str, fields: list[str], rows: int) -> Any:
-        """The controller's new rows (their global indexes) in ``partition`` for ``fields``."""
-        return self._ask(
-            f"for new rows in partition {partition!r}",
-            lambda c: c.async_get_meta(data_fields=fields, batch_size=rows, partition_id=partition, mode="insert"),
-        )
 
     def write_fields(self, target: BusBatch | RowHandle, fields: Mapping[str, Column]) -> None:
         """Add (or overwrite) columns of rows already on the bus, in one batched call.

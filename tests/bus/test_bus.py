@@ -311,32 +311,3 @@ def test_the_controller_process_imports_transferqueue_without_torch_dynamo(bus: 
         lambda _: sorted(m for m in __import__("sys").modules if m in ("relax.bus.controller", "torch._dynamo"))))
     assert loaded == ["relax.bus.controller"]
 
-
-def test_a_put_into_reserved_rows_fills_them_and_readers_see_only_filled_rows(bus: Bus, partition: str) -> None:
-    reserved = bus.reserve(partition, ["idx"], 3)
-    assert bus.counts(partition, task="actor", fields=["idx"]).ready == 0  # reserved rows hold nothing yet
-    handle = bus.put(partition, {"idx": torch.arange(3)}, _meta(3), into=reserved)
-    assert list(handle.batch_meta.global_indexes) == list(reserved.batch_meta.global_indexes)
-    batch = bus.get(partition, ["idx"], task="actor", batch_size=3, timeout_s=10)
-    assert batch["idx"].tolist() == [0, 1, 2] and [m.sample_id for m in batch.meta] == ["s0", "s1", "s2"]
-
-
-def test_a_reservation_that_does_not_match_the_put_stays_empty(bus: Bus, partition: str) -> None:
-    other_fields = bus.reserve(partition, ["idx", "extra"], 2)
-    other_size = bus.reserve(partition, ["idx"], 5)
-    other_partition = bus.reserve(partition + "-next", ["idx"], 2)
-    for reserved in (other_fields, other_size, other_partition):
-        handle = bus.put(partition, {"idx": torch.arange(2) + 10 * len(reserved)}, _meta(2, prefix=f"r{len(reserved)}-"),
-                         into=reserved)
-        assert not set(handle.batch_meta.global_indexes) & set(reserved.batch_meta.global_indexes)
-    batch = bus.get(partition, ["idx"], task="actor", batch_size=6, timeout_s=10)
-    assert sorted(batch["idx"].tolist()) == [20, 20, 21, 21, 50, 51]
-    with pytest.raises(BusTimeout):  # the unused reservations (2 + 5 rows) never become readable
-        bus.get(partition, ["idx"], task="actor", batch_size=1, timeout_s=0.3)
-
-
-def test_reserve_refuses_nothing_and_the_bus_s_own_field(bus: Bus, partition: str) -> None:
-    with pytest.raises(BusError, match="at least one row"):
-        bus.reserve(partition, ["idx"], 0)
-    with pytest.raises(BusError, match="own field"):
-        bus.reserve(partition, ["__row_meta__"], 1)

@@ -33,7 +33,6 @@ from relax.runtime.weight_channels import WeightChannel, WeightPull
 from relax.telemetry import ROLLOUT_BATCH, WEIGHT_SYNC
 
 if TYPE_CHECKING:
-    from relax.bus.records import RowHandle
     from relax.runtime.agent import AgentSampler
     from relax.runtime.evaluation import Evaluator
     from relax.runtime.partial import PartialRollouts, VersionWatch
@@ -104,9 +103,6 @@ class RolloutLoop:
         self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
-        self._reserved: RowHandle | None = None
-        """The rows of the next step's put, reserved on the bus by the put thread after this step's
-        put (``Bus.reserve``): the put on the critical path then skips a controller round trip."""
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -265,12 +261,8 @@ class RolloutLoop:
             self._watch.close()
 
     def _put_and_ack(self, partition: str, columns: dict[str, Any], meta: list[dict[str, Any]], ack: tuple) -> None:
-        bus, step = self.env.bus, ack[1]
-        reserved, self._reserved = self._reserved, None
-        bus.put(partition, columns, meta, into=reserved)
+        self.env.bus.put(partition, columns, meta)
         self.env.state.complete.remote(*ack)  # nothing can revoke a sole producer's lease: not awaited
-        if step + 1 < self.env.settings.steps:  # the next step's rows, while this worker generates it
-            self._reserved = bus.reserve(partition_of(step + 1), list(columns), len(meta))
 
     def flush(self) -> None:
         """Wait for the put in flight, if any, raising its failure (the rows never reached the bus)."""
