@@ -196,7 +196,7 @@ class Controller(Deployment, Supervision, Elastic):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from relax.runtime.ledger import RolloutLedger
-        from relax.runtime.run_state import RunState
+        from relax.runtime.run_state import RunState, concurrency
 
         settings = self.settings
         ledger = RolloutLedger(settings.steps, settings.prompts_per_step, settings.samples_per_prompt,
@@ -205,7 +205,8 @@ class Controller(Deployment, Supervision, Elastic):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         auto = settings.auto_staleness
         self.staleness = None if auto is None else StalenessController(auto)
-        self.state = ray.remote(RunState).options(num_cpus=0, max_concurrency=64, scheduling_strategy=here).remote(
+        self.state = ray.remote(RunState).options(
+            num_cpus=0, max_concurrency=concurrency(len(self.plan.workers)), scheduling_strategy=here).remote(
             ledger, None if self.staleness is None else self.staleness.bound, self.metrics.evaluated_versions())
         self.attempt_start, self.resume_from_path = start, resume_from
         self._consumed = 0

@@ -1,18 +1,27 @@
 """The run's small control-plane service: policy versions, data-ready signals, per-step reports,
 the rollout work ledger and the workers' heartbeats.
 
-One async Ray actor per run. It never carries sample data (that goes through the bus) nor weight
+One threaded Ray actor per run. It never carries sample data (that goes through the bus) nor weight
 bytes (those stay in the object store; it holds only references). Roles block on it instead of
 polling: the rollout waits here for the policy version the staleness bound requires, a consumer
 waits for a partition's field to be announced before it reads the bus, and the controller waits
 for each step's reports.
+
+Every step makes about eight calls here, so a call's cost counts: a threaded actor (Ray runs each
+call in one of ``max_concurrency`` threads; one ``threading.Condition`` guards the state and wakes
+the waiters) took 0.7 ms of this process's CPU per call where an asyncio actor took 1.3-1.4 ms, and
+answered in 1.4 ms instead of 2.2 (a trivial call, measured side by side on the 2-core CPU box; on
+the tiny preset this actor was the busiest process after the two workers). A blocking call holds
+its thread for at most one wait slice (``relax.runtime.role_env.WAIT_SLICE_S``), so
+``concurrency(workers)`` threads are enough: a call beyond them waits at most a slice for one.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from relax.runtime.ledger import RolloutLedger
 from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, UnitDone,
@@ -21,6 +30,24 @@ from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, Sample
 
 #: The rollout's report name (``relax.roles.Role.rollout``; this module stays free of the rest).
 ROLLOUT = "rollout"
+
+T = TypeVar("T")
+
+
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a public method with the state's lock held: Ray runs calls in several threads at once."""
+    @functools.wraps(method)
+    def locked(self: "RunState", *args: Any, **kwargs: Any) -> T:
+        with self._cond:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def concurrency(workers: int) -> int:
+    """Threads the actor needs for a run with ``workers`` worker processes: each may hold a few
+    blocking calls at once (a lease asked ahead, a wait for data, a heartbeat), and the controller
+    holds its own."""
+    return 64 + 4 * workers
 
 
 def partition_of(step: int) -> str:
@@ -40,7 +67,7 @@ class RunState:
         self._beats: dict[str, Beat] = {}
         self._done_steps: dict[str, int] = {}
         self._moved_at = time.time()
-        self._cond = asyncio.Condition()
+        self._cond = threading.Condition()
         self._version = -1
         self._weights: list[Any] = []
         self._weight_sender: Any = None
@@ -54,72 +81,78 @@ class RunState:
         self._stopped = False
         self._failure: str | None = None
 
-    async def _notify(self) -> None:
+    def _notify(self) -> None:
+        """Something moved: wake every waiter (call with ``self._cond`` held)."""
         self._moved_at = time.time()
-        async with self._cond:
-            self._cond.notify_all()
+        self._cond.notify_all()
 
-    async def _wait(self, predicate, timeout_s: float) -> bool:
-        async with self._cond:
-            try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: predicate() or self._stopped), timeout_s)
-            except TimeoutError:
-                return False
-        return predicate()
+    def _wait(self, predicate, timeout_s: float) -> bool:
+        """Wait until ``predicate()`` holds (True), or the run stops or ``timeout_s`` passes (False).
+        Call with ``self._cond`` held."""
+        return self._cond.wait_for(lambda: predicate() or self._stopped, timeout_s) and predicate()
 
     # -- weights ------------------------------------------------------------------------------
 
-    async def publish(self, version: int, weights: list[Any]) -> None:
+    @_locked
+    def publish(self, version: int, weights: list[Any]) -> None:
         """The actor's new policy: ``weights`` is ``[ObjectRef]`` (a list, so it is not resolved)."""
         self._version, self._weights = version, weights
-        await self._notify()
+        self._notify()
 
-    async def wait_version(self, min_version: int, timeout_s: float) -> PolicyVersion | None:
+    @_locked
+    def wait_version(self, min_version: int, timeout_s: float) -> PolicyVersion | None:
         """The newest published version once it is at least ``min_version``; None on timeout or stop."""
-        ok = await self._wait(lambda: self._version >= min_version, timeout_s)
+        ok = self._wait(lambda: self._version >= min_version, timeout_s)
         return PolicyVersion(self._version, self._weights) if ok else None
 
-    async def register_weight_sender(self, worker: Any) -> None:
+    @_locked
+    def register_weight_sender(self, worker: Any) -> None:
         """The actor's worker, which sends weights to rollout replicas over weight groups
         (``roles.rollout.weight_sync: collective``); a restarted actor registers its new worker."""
         self._weight_sender = worker
 
-    async def weight_sender(self) -> Any:
+    @_locked
+    def weight_sender(self) -> Any:
         """The registered weight sender (a ``RoleWorker`` handle), or None."""
         return self._weight_sender
 
     # -- data-ready signals ---------------------------------------------------------------------
 
-    async def announce(self, partition: str, field: str) -> None:
+    @_locked
+    def announce(self, partition: str, field: str) -> None:
         """Every row of ``partition`` now holds ``field``."""
         self._ready.add((partition, field))
-        await self._notify()
+        self._notify()
 
-    async def wait_ready(self, step: int, fields: list[str], timeout_s: float) -> UnitInfo | None:
+    @_locked
+    def wait_ready(self, step: int, fields: list[str], timeout_s: float) -> UnitInfo | None:
         """Once every field of ``fields`` is announced for ``step``'s partition: what a reader of
         the step needs (``unit_info``); None on timeout or stop."""
         partition = partition_of(step)
-        ok = await self._wait(lambda: all((partition, f) in self._ready for f in fields), timeout_s)
+        ok = self._wait(lambda: all((partition, f) in self._ready for f in fields), timeout_s)
         return self._unit_info(step) if ok else None
 
-    async def forget(self, partition: str, step: int | None = None) -> None:
+    @_locked
+    def forget(self, partition: str, step: int | None = None) -> None:
         """Drop a finished partition's signals (and its step's rollout units)."""
+        self._forget(partition, step)
+
+    def _forget(self, partition: str, step: int | None) -> None:
         self._ready = {key for key in self._ready if key[0] != partition}
         if step is not None and self._ledger is not None:
             self._ledger.forget(step)
 
     # -- the rollout work ledger (see relax.runtime.ledger) ---------------------------------------
 
-    async def lease(self, holder: str, max_staleness: int, only_step: int | None,
-                    timeout_s: float) -> Lease | None:
+    def lease(self, holder: str, max_staleness: int, only_step: int | None, timeout_s: float) -> Lease | None:
         """The next unit of rollout work for ``holder``: ``Lease(unit=...)``; ``Lease(done=True)``
         once ``only_step`` is complete (or, without it, every step is); ``Lease(drain=True)`` when the
         replica is being removed; None on timeout or stop. Without ``only_step`` a unit of step s
-        is leased only once policy version s - max_staleness is published (admission control)."""
+        is leased only once policy version s - max_staleness is published (admission control). Holds
+        the lock itself: it waits in a loop of its own."""
         ledger = self._ledger
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        async with self._cond:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
             while not self._stopped:
                 if holder in self._draining:
                     return Lease(drain=True)
@@ -131,19 +164,20 @@ class RunState:
                     return Lease(unit=unit, policy=PolicyVersion(self._version, self._weights), bound=bound)
                 if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
                     return Lease(done=True)
-                try:
-                    await asyncio.wait_for(self._cond.wait(), max(deadline - loop.time(), 0.0))
-                except TimeoutError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
                     return None
         return None
 
-    async def set_bound(self, bound: int) -> None:
+    @_locked
+    def set_bound(self, bound: int) -> None:
         """``max_staleness: auto``: the bound for the units leased from now on."""
         self._bound = bound
-        await self._notify()
+        self._notify()
 
-    async def complete(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
-                       columns: list[str]) -> UnitDone:
+    @_locked
+    def complete(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
+                 columns: list[str]) -> UnitDone:
         """Acknowledge a unit; when it completes its step, ``columns`` are announced for the step's
         partition and the answer carries the step's unit stats (the caller needs no further call
         to learn the step is done). ``accepted`` is False when the lease was revoked (the rows just
@@ -152,21 +186,23 @@ class RunState:
         done = self._ledger.step_done(step)
         if accepted and done:
             self._ready.update((partition_of(step), column) for column in columns)
-        await self._notify()
+        self._notify()
         return UnitDone(accepted=accepted, step_stats=self._ledger.step_stats(step) if done else None)
 
-    async def release(self, holder: str) -> int:
+    @_locked
+    def release(self, holder: str) -> int:
         """A replica failed or left: its leased units go back to pending. Returns their samples."""
         samples = self._ledger.release(holder) if self._ledger is not None else 0
         self._draining.discard(holder)
         self._beats.pop(holder, None)
-        await self._notify()
+        self._notify()
         return samples
 
-    async def drain(self, holder: str) -> None:
+    @_locked
+    def drain(self, holder: str) -> None:
         """Ask a replica to finish its current unit and lease no more."""
         self._draining.add(holder)
-        await self._notify()
+        self._notify()
 
     def _unit_info(self, step: int) -> UnitInfo:
         """What a reader of a step needs: how many units, which attempt of each counts, and
@@ -174,20 +210,27 @@ class RunState:
         ledger = self._ledger
         return UnitInfo(units=ledger.units_per_step, accepted=ledger.accepted(step), retried=ledger.retried(step))
 
-    async def drop(self, step: int, unit: int, attempt: int, rows: int) -> None:
+    @_locked
+    def drop(self, step: int, unit: int, attempt: int, rows: int) -> None:
         self._ledger.drop(step, unit, attempt, rows)
 
-    async def step_stats(self, step: int) -> list[dict[str, Any]]:
+    @_locked
+    def step_stats(self, step: int) -> list[dict[str, Any]]:
         return self._ledger.step_stats(step)
 
-    async def counters(self) -> SampleCounters:
+    @_locked
+    def counters(self) -> SampleCounters:
+        return self._counters()
+
+    def _counters(self) -> SampleCounters:
         c = self._ledger.counters
         return SampleCounters(produced=c.produced, regenerated=c.regenerated, dropped=c.dropped,
                               by_holder=dict(c.by_holder))
 
     # -- health ------------------------------------------------------------------------------------
 
-    async def beat(self, holder: str, activity: str, busy_since: float | None) -> None:
+    @_locked
+    def beat(self, holder: str, activity: str, busy_since: float | None) -> None:
         """A worker is alive; ``busy_since`` is when its current piece of work began (None while it
         waits on others). A worker at work keeps the run moving: only a run where every worker
         waits is stalled (a long generation or evaluation is judged by ``progress_timeout_s``)."""
@@ -196,15 +239,18 @@ class RunState:
         if busy_since is not None:
             self._moved_at = now
 
-    async def health(self) -> dict[str, Beat]:
+    @_locked
+    def health(self) -> dict[str, Beat]:
         return dict(self._beats)
 
-    async def status(self) -> RunStatus:
+    @_locked
+    def status(self) -> RunStatus:
         """Whether the run is stopped, and for how long nothing moved in it (no publish, signal,
         report or unit): a waiting role gives up only on a run that stands still."""
         return RunStatus(stopped=self._stopped, stalled_s=time.time() - self._moved_at)
 
-    async def progress(self) -> dict[str, int]:
+    @_locked
+    def progress(self) -> dict[str, int]:
         """Per report name, the last step it reported (where a restarted role picks up). The
         rollout's is capped by the ledger: a rollout that puts and acknowledges in the background
         reports a step before its acknowledgement lands, and one that died in between must make
@@ -216,50 +262,56 @@ class RunState:
 
     # -- per-step reports -----------------------------------------------------------------------
 
-    async def report(self, reports: list[StepReport]) -> None:
+    @_locked
+    def report(self, reports: list[StepReport]) -> None:
         """Role loops finished a step (one call per worker step: the stats of its loops, joined by the
         controller's ``wait_reports``)."""
         for report in reports:
             self._reports.setdefault(report.step, {})[report.name] = report.stats
             self._done_steps[report.name] = max(report.step, self._done_steps.get(report.name, -1))
-        await self._notify()
+        self._notify()
 
-    async def wait_reports(self, step: int, roles: list[str], timeout_s: float
-                           ) -> tuple[dict[str, dict[str, Any]], SampleCounters, list[dict[str, float]]] | None:
+    @_locked
+    def wait_reports(self, step: int, roles: list[str], timeout_s: float
+                     ) -> tuple[dict[str, dict[str, Any]], SampleCounters, list[dict[str, float]]] | None:
         """The reports of every role for ``step`` once all have arrived, with the sample counters
         and the evaluations posted since the last call; None on timeout or stop. Once every role
         reported it, the step's signals and rollout units are forgotten (a role restarted in place
         re-reads a step only while it is unreported)."""
-        ok = await self._wait(lambda: all(r in self._reports.get(step, {}) for r in roles), timeout_s)
+        ok = self._wait(lambda: all(r in self._reports.get(step, {}) for r in roles), timeout_s)
         if not ok:
             return None
-        await self.forget(partition_of(step), step)
+        self._forget(partition_of(step), step)
         evals, self._evals = self._evals, []
-        return self._reports.pop(step), await self.counters(), evals
+        return self._reports.pop(step), self._counters(), evals
 
     # -- evaluation --------------------------------------------------------------------------------
 
-    async def post_eval(self, figures: dict[str, float]) -> None:
+    @_locked
+    def post_eval(self, figures: dict[str, float]) -> None:
         """A policy version was evaluated (``eval/*`` figures, ``eval/version`` among them)."""
         self._evals.append(figures)
         self._evaluated.add(int(figures["eval/version"]))
-        await self._notify()
+        self._notify()
 
-    async def evaluated(self) -> list[int]:
+    @_locked
+    def evaluated(self) -> list[int]:
         """The policy versions evaluated so far in the run, in order."""
         return sorted(self._evaluated)
 
-    async def wait_eval(self, min_version: int, timeout_s: float) -> list[dict[str, float]]:
+    @_locked
+    def wait_eval(self, min_version: int, timeout_s: float) -> list[dict[str, float]]:
         """Once an evaluation of a version at least ``min_version`` is posted: every evaluation not
         yet taken (taken now); [] on timeout or stop."""
-        await self._wait(lambda: any(e["eval/version"] >= min_version for e in self._evals), timeout_s)
+        self._wait(lambda: any(e["eval/version"] >= min_version for e in self._evals), timeout_s)
         evals, self._evals = self._evals, []
         return evals
 
     # -- stopping --------------------------------------------------------------------------------
 
-    async def stop(self, failure: str | None = None) -> None:
+    @_locked
+    def stop(self, failure: str | None = None) -> None:
         """Ask every role to stop at its next wait; ``failure`` says why, if it is one."""
         self._stopped = True
         self._failure = self._failure or failure
-        await self._notify()
+        self._notify()

@@ -119,7 +119,6 @@ def test_the_evaluation_worker_evaluates_each_due_version_through_the_final_one(
 def test_a_resumed_run_does_not_evaluate_again_what_its_kept_rows_evaluated(tmp_path):
     """Resuming from the checkpoint of step 6 keeps the evaluations written with rows 1..6; the new
     attempt's ``RunState`` starts from their versions, which every evaluator seeds ``done`` from."""
-    import asyncio
     import json
 
     from relax.runtime.metrics import MetricsLog
@@ -130,6 +129,6 @@ def test_a_resumed_run_does_not_evaluate_again_what_its_kept_rows_evaluated(tmp_
     log = MetricsLog(tmp_path, resume_step=6)
     assert log.evaluated_versions() == [0, 4]
     state = RunState(evaluated=log.evaluated_versions())
-    asyncio.run(state.post_eval({"eval/version": 8.0}))
-    assert asyncio.run(state.evaluated()) == [0, 4, 8]
+    state.post_eval({"eval/version": 8.0})
+    assert state.evaluated() == [0, 4, 8]
     assert MetricsLog(tmp_path, resume_step=None).evaluated_versions() == []  # a new run starts clean

@@ -84,23 +84,17 @@ def test_ragged_rows_of_several_units_are_laid_out_like_one_dense_batch() -> Non
 def test_a_restarted_rollout_picks_up_at_its_first_unacknowledged_step() -> None:
     """A rollout that acknowledges in the background may report step 3 and die before its ack
     lands: it must make step 3 again, not step 4 (the actor would wait for step 3 forever)."""
-    import asyncio
-
     from relax.runtime.records import StepReport
     from relax.runtime.run_state import RunState
 
     ledger = RolloutLedger(steps=10, prompts_per_step=4, samples_per_prompt=2, unit_prompts=4)
     state = RunState(ledger)
-
-    async def scenario() -> dict[str, int]:
-        for step in range(4):
-            unit = ledger.lease("r", max_step=step, only_step=step)
-            if step < 3:  # step 3's acknowledgement never arrives
-                await state.complete("r", step, unit["unit"], unit["attempt"], {}, ["response"])
-            await state.report([StepReport(step, "rollout", {}), StepReport(step, "reward", {})])
-        await state.release("r")
-        return await state.progress()
-
-    progress = asyncio.run(scenario())
+    for step in range(4):
+        unit = ledger.lease("r", max_step=step, only_step=step)
+        if step < 3:  # step 3's acknowledgement never arrives
+            state.complete("r", step, unit["unit"], unit["attempt"], {}, ["response"])
+        state.report([StepReport(step, "rollout", {}), StepReport(step, "reward", {})])
+    state.release("r")
+    progress = state.progress()
     assert progress == {"rollout": 2, "reward": 3}
     assert ledger.lease("r2", max_step=3, only_step=3) is not None  # step 3 is pending again

@@ -1,0 +1,56 @@
+"""RunState's waits across threads: Ray runs a threaded actor's calls in several threads at once, so
+a call that blocks must wake when another thread's call moves the state, and time out otherwise."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from relax.runtime.ledger import RolloutLedger
+from relax.runtime.records import StepReport
+from relax.runtime.run_state import RunState, partition_of
+
+
+def _later(delay_s: float, fn, *args) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay_s)
+        fn(*args)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_lease_beyond_the_bound_waits_for_the_version_another_thread_publishes() -> None:
+    ledger = RolloutLedger(steps=4, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2)
+    state = RunState(ledger)
+    first = state.lease("r", 1, 0, 1.0)
+    assert first.unit["step"] == 0 and first.policy.version == -1
+    assert state.lease("r", 1, None, 0.05) is None  # step 1 needs version 0: a slice runs out
+    publisher = _later(0.1, state.publish, 0, ["weights"])
+    started = time.monotonic()
+    second = state.lease("r", 1, None, 5.0)
+    publisher.join()
+    assert second.unit["step"] == 1 and second.policy.version == 0 and second.policy.weights == ["weights"]
+    assert time.monotonic() - started < 2.0  # woken by the publish, not by its deadline
+
+
+def test_waiters_in_many_threads_wake_on_their_own_signal_and_on_stop() -> None:
+    state = RunState(RolloutLedger(steps=4, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    with ThreadPoolExecutor(8) as pool:
+        ready = pool.submit(state.wait_ready, 0, ["advantages"], 5.0)
+        version = pool.submit(state.wait_version, 3, 5.0)
+        reports = pool.submit(state.wait_reports, 0, ["rollout", "actor"], 5.0)
+        time.sleep(0.05)
+        assert not (ready.done() or version.done() or reports.done())
+        state.announce(partition_of(0), "advantages")
+        assert ready.result(timeout=2.0) is not None
+        state.report([StepReport(0, "rollout", {"a": 1.0}), StepReport(0, "actor", {"b": 2.0})])
+        got, _, evals = reports.result(timeout=2.0)
+        assert got == {"rollout": {"a": 1.0}, "actor": {"b": 2.0}} and evals == []
+        assert not version.done()
+        state.stop("boom")
+        assert version.result(timeout=2.0) is None  # a stop wakes a waiter, which answers None
+    assert state.status().stopped
+    # the step's signals were forgotten with its reports
+    assert state.wait_ready(0, ["advantages"], 0.01) is None
