@@ -111,6 +111,8 @@ class ActorLoop:
         self.version = step + 1
         with tel.span(WEIGHT_SYNC, step=step, role=Role.actor, policy_version=self.version):
             self.weights.publish(self.version, self.trainer.weights())
+            if self.version == settings.steps:
+                self.weights.settle()  # the last version is out before the step is reported
         t4 = time.perf_counter()
         every = settings.checkpoint_every
         checkpoint_s = 0.0
