@@ -3,10 +3,13 @@ back bit for bit, with its dtype and shape, writable and independent of the send
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import ray
 import torch
 
-from relax.runtime.weight_channels import PackedWeights, unpacked
+from relax.runtime.weight_channels import ObjectStoreWeights, PackedWeights, unpacked
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -48,15 +51,50 @@ def test_a_dict_with_other_values_travels_as_it_is() -> None:
     assert unpacked(weights) is weights
 
 
-def test_packed_weights_survive_the_object_store() -> None:
+@pytest.fixture(scope="module")
+def local_ray():
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        state = _state()
-        back = unpacked(ray.get(ray.put(PackedWeights.of(state))))
-        assert all(torch.equal(back[k], v) for k, v in state.items())
-        back["mask"][0] = False  # writable, though the store's buffer is read-only
-    finally:
-        if started:
-            ray.shutdown()
+    yield
+    if started:
+        ray.shutdown()
+
+
+def test_packed_weights_survive_the_object_store(local_ray) -> None:
+    state = _state()
+    back = unpacked(ray.get(ray.put(PackedWeights.of(state))))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    back["mask"][0] = False  # writable, though the store's buffer is read-only
+
+
+def test_versions_published_in_the_background_reach_run_state_in_order(local_ray) -> None:
+    """The actor's side publishes in a background thread: every version lands, in order, the newest
+    last, and ``settle`` returns once it has."""
+    from relax.runtime.run_state import RunState
+
+    state = ray.remote(RunState).options(num_cpus=0, max_concurrency=8).remote()
+    env = SimpleNamespace(state=state, timeout_s=30.0)
+    channel = ObjectStoreWeights(env)
+    seen = []
+    for version in range(1, 6):
+        channel.publish(version, {"w": torch.full((3,), float(version))})
+        seen.append(ray.get(state.wait_version.remote(0, 30.0)).version)
+    channel.settle()
+    assert seen == sorted(seen)  # never backwards
+    newest = ray.get(state.wait_version.remote(5, 30.0))
+    assert newest.version == 5
+    assert torch.equal(unpacked(ray.get(newest.weights[0]))["w"], torch.full((3,), 5.0))
+    ray.kill(state)
+
+
+def test_a_failed_background_publish_is_raised_by_the_next_one() -> None:
+    class Broken:
+        def __getattr__(self, name):
+            raise ConnectionError("RunState is gone")
+
+    channel = ObjectStoreWeights(SimpleNamespace(state=Broken(), timeout_s=5.0))
+    channel.publish(1, {"w": torch.ones(2)})  # returns at once: the failure is in the background
+    with pytest.raises(ConnectionError, match="RunState is gone"):
+        channel.publish(2, {"w": torch.ones(2)})
+    channel.settle()  # the error was raised once, by the publish that found it
