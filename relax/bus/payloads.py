@@ -4,9 +4,11 @@ rows' metadata.
 Why: TransferQueue's own storage units hold every row's every field as a separate value and send
 each one as its own message part, so a step costs in proportion to rows x fields (a fetch of 128
 rows x 4 columns measured 24-35 ms; 8,192 rows with media columns would take seconds), and every
-byte crosses two sockets. Here a put stores its columns as **one** object in Ray's object store
-(shared memory on a node, Ray's transfer across nodes), one buffer per column; a get takes the rows
-it was given by slicing those buffers. The cost of a step then grows with its bytes.
+byte crosses two sockets. Here a put hands its columns over as **one** payload, one buffer per
+column: a large one as one object in Ray's object store (shared memory on a node, Ray's transfer
+across nodes), a small one (``INLINE_BYTES``) by value to the payload keeper, which holds it in
+memory and returns it in the answer that says where rows are. A get takes the rows it was given by
+slicing those buffers. The cost of a step then grows with its bytes.
 
 The pieces:
 
@@ -42,6 +44,13 @@ from relax.bus.transferqueue import BatchMeta, StorageBootstrapProvider, Storage
 BACKEND = "RelaxObjectStore"
 #: Ray namespace of the keeper (TransferQueue's own).
 NAMESPACE = "transfer_queue"
+
+#: A payload of at most this many bytes goes to the keeper by value and is read back from it in
+#: the same call (``PayloadKeeper.keep``); a larger one goes through the object store by reference.
+#: Two process hops by value cost less than the object store's put, the keeper's fetch and the
+#: reader's fetch, up to a few hundred KB (measured side by side on the 2-core box: 100 KB took
+#: 6-7 ms to put against 12, and half the CPU; at 4 MB the object store read 2x faster).
+INLINE_BYTES = 256 * 1024
 
 #: torch dtypes numpy cannot hold, carried bit for bit as an integer of the same width.
 _CARRIER = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -102,6 +111,11 @@ def pack_objects(values: list[Any]) -> PackedColumn:
     """A column of objects as one pickled buffer: the keeper copies it as bytes and a reader
     unpickles it once, instead of every hop handling every row's object."""
     return PackedColumn("objects", np.frombuffer(pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL), np.uint8))
+
+
+def payload_bytes(columns: Mapping[str, PackedColumn]) -> int:
+    """A payload's size: its buffers, pickled objects included."""
+    return sum(c.data.nbytes if c.kind == "objects" else c.nbytes for c in columns.values())
 
 
 def _check_rows(name: str, rows: int, num_rows: int) -> None:
@@ -268,9 +282,13 @@ class ObjectStoreManager(StorageManager):
     # -- the bus's interface -----------------------------------------------------------------
 
     def store(self, partition: str, rows: list[int], columns: dict[str, PackedColumn]) -> None:
-        """Put a payload in the object store and hand it to the keeper (blocking; not on a loop)."""
-        ref = ray.put(columns)
-        ray.get(self.keeper.hold.remote(partition, np.asarray(rows, dtype=np.int64), list(columns), [ref]))
+        """Hand a payload to the keeper, by value when small (``INLINE_BYTES``), else through the
+        object store (blocking; not on a loop)."""
+        indexes = np.asarray(rows, dtype=np.int64)
+        if payload_bytes(columns) <= INLINE_BYTES:
+            ray.get(self.keeper.keep.remote(partition, indexes, columns))
+        else:
+            ray.get(self.keeper.hold.remote(partition, indexes, list(columns), [ray.put(columns)]))
 
     async def announce(self, partition: str, rows: list[int], columns: dict[str, PackedColumn]) -> None:
         """Tell TransferQueue's controller the rows now hold these fields (after ``store``)."""
@@ -279,10 +297,13 @@ class ObjectStoreManager(StorageManager):
     def fetch(self, partition: str, rows: list[int], fields: list[str]) -> dict[str, Column]:
         """``fields`` of the rows with global indexes ``rows``, in that order (blocking)."""
         try:
-            refs, pieces = ray.get(self.keeper.locate.remote(partition, np.asarray(rows, dtype=np.int64), fields))
+            found, pieces = ray.get(self.keeper.locate.remote(partition, np.asarray(rows, dtype=np.int64), fields))
         except ray.exceptions.RayTaskError as exc:
             raise BusError(f"cannot read {fields} of partition {partition!r}: {exc.cause}") from None
-        payloads = ray.get(refs)
+        by_reference = [i for i, payload in enumerate(found) if not isinstance(payload, dict)]
+        payloads = list(found)
+        for i, payload in zip(by_reference, ray.get([found[i] for i in by_reference])):
+            payloads[i] = payload
         return {name: unpack(name, payloads, pieces[name], len(rows)) for name in fields}
 
     # -- TransferQueue's interface -------------------------------------------------------------

@@ -35,6 +35,17 @@ def partition() -> str:
     return f"step-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(params=["by_value", "by_reference"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How this process's puts reach the keeper: small payloads by value (the default for these
+    sizes), or every payload through the object store. Returns the ``INLINE_BYTES`` in force."""
+    from relax.bus import payloads
+
+    if request.param == "by_reference":
+        monkeypatch.setattr(payloads, "INLINE_BYTES", -1)
+    return payloads.INLINE_BYTES
+
+
 def _meta(n: int, version: int = 0, prefix: str = "s") -> list[RowMeta]:
     return [RowMeta(policy_version=version, sample_id=f"{prefix}{i}") for i in range(n)]
 
@@ -44,7 +55,7 @@ def _put_numbered(bus: Bus, partition: str, n: int) -> None:
     bus.put(partition, {"idx": torch.arange(n)}, _meta(n))
 
 
-def test_put_get_round_trip_keeps_values_dtypes_and_shapes(bus: Bus, partition: str) -> None:
+def test_put_get_round_trip_keeps_values_dtypes_and_shapes(bus: Bus, partition: str, way: int) -> None:
     columns = {
         "input_ids": torch.randint(0, 300, (4, 6), dtype=torch.int64),
         "response_mask": torch.rand(4, 6) > 0.5,
@@ -250,20 +261,23 @@ class _Producer:
     def __init__(self) -> None:
         self.bus = Bus.attach(timeout_s=30)
 
-    def put(self, partition: str, n: int) -> None:
+    def put(self, partition: str, n: int, inline_bytes: int) -> None:
+        from relax.bus import payloads
+
+        payloads.INLINE_BYTES = inline_bytes
         self.bus.put(partition, {"idx": torch.arange(n), "text": [f"t{i}" for i in range(n)]}, _meta(n))
 
 
-def test_rows_outlive_the_process_that_wrote_them(bus: Bus, partition: str) -> None:
+def test_rows_outlive_the_process_that_wrote_them(bus: Bus, partition: str, way: int) -> None:
     producer = _Producer.remote()
-    ray.get(producer.put.remote(partition, 6), timeout=90)
+    ray.get(producer.put.remote(partition, 6, way), timeout=90)
     ray.kill(producer, no_restart=True)
     time.sleep(1.0)  # let Ray notice the dead worker (an object it owned would be lost now)
     batch = bus.get(partition, ["idx", "text"], task="actor", batch_size=6, timeout_s=10)
     assert batch["idx"].tolist() == list(range(6)) and batch["text"] == [f"t{i}" for i in range(6)]
 
 
-def test_clearing_a_partition_releases_its_payloads(bus: Bus, partition: str) -> None:
+def test_clearing_a_partition_releases_its_payloads(bus: Bus, partition: str, way: int) -> None:
     from relax.bus.payloads import find_keeper
 
     keeper = find_keeper()
@@ -276,7 +290,7 @@ def test_clearing_a_partition_releases_its_payloads(bus: Bus, partition: str) ->
     assert partition not in bus.partitions()
 
 
-def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partition: str) -> None:
+def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partition: str, way: int) -> None:
     """A reader may take rows of several puts at once, and a later write of a field wins."""
     bus.put(partition, {"idx": torch.arange(3), "w": torch.zeros(3, 2, dtype=torch.bfloat16),
                         "ids": [torch.arange(i + 1) for i in range(3)]}, _meta(3, prefix="a"))
@@ -293,6 +307,23 @@ def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partiti
         assert batch["w"][row].tolist() == [expected, expected]
         assert batch["ids"][row].tolist() == ([*range(i + 1)] if i < 3 else [*range(7 if i == 3 else 2)])
         assert batch.meta[row].sample_id == (f"a{i}" if i < 3 else f"b{i - 3}")
+
+
+def test_small_payloads_go_by_value_and_large_ones_by_reference_and_read_together(
+        bus: Bus, partition: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put at most ``INLINE_BYTES`` is kept in the keeper's memory, a larger one in the object
+    store; one read may take rows of both."""
+    from relax.bus import payloads
+
+    monkeypatch.setattr(payloads, "INLINE_BYTES", 1024)
+    bus.put(partition, {"idx": torch.arange(4), "x": torch.zeros(4, 8)}, _meta(4, prefix="small"))  # 160 bytes
+    bus.put(partition, {"idx": torch.arange(4, 8), "x": torch.ones(4, 512)}, _meta(4, prefix="large"))  # 8 KB
+    batch = bus.get(partition, ["idx", "x"], task="actor", batch_size=8, timeout_s=10)
+    assert sorted(batch["idx"].tolist()) == list(range(8))
+    for row, i in enumerate(batch["idx"].tolist()):
+        assert batch["x"][row].tolist() == ([0.0] * 8 if i < 4 else [1.0] * 512)
+    found, _ = ray.get(payloads.find_keeper().locate.remote(partition, batch.handle.batch_meta.global_indexes, ["x"]))
+    assert sorted(type(p).__name__ for p in found) == ["ObjectRef", "dict"]
 
 
 def test_the_bus_field_name_is_reserved(bus: Bus, partition: str) -> None:
