@@ -39,6 +39,9 @@ QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFOR
 #: events go on to the GCS: on two cores that was about a tenth of a tiny separate-mode step
 #: (68-70 ms against 61-62 ms per step, measured in two alternating pairs).
 EMBEDDED_RAY_ENV = {"RAY_task_events_report_interval_ms": "0", "RAY_enable_metrics_collection": "0"}
+#: How long a process of an embedded Ray still running after ``ray.shutdown`` gets to end on SIGTERM
+#: before it is killed (``relax.runtime.ray_sessions.end_processes``): by then the run is over.
+LEFTOVER_GRACE_S = 1.0
 #: What the driver needs once Ray runs (torch, TransferQueue, telemetry, the controller): imported
 #: in a background thread while Ray starts, since ``ray.init`` mostly waits for its own processes.
 RUNTIME_MODULES = ("relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
@@ -405,7 +408,8 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
               file=out, flush=True)
     # Ray mostly waits for the processes it starts: the driver imports the runtime meanwhile.
     imports = InBackground(lambda: import_runtime(plan), name="runtime-imports", clock=clock, part="runtime_imports")
-    from relax.runtime.ray_sessions import clean_orphaned_sessions, forget_session, record_session
+    from relax.runtime.ray_sessions import (clean_orphaned_sessions, end_processes, forget_session, own_processes,
+                                            record_session)
 
     for session in clean_orphaned_sessions():  # Ray processes of a driver that was killed
         print(f"relax run: stopped the leftover processes of a killed run's Ray ({session})", file=sys.stderr)
@@ -432,7 +436,9 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
     finally:
         try:
             if embedded:
+                ours = own_processes()
                 stop_embedded_ray()
+                end_processes(ours, grace_s=LEFTOVER_GRACE_S)  # none, unless one hangs in Ray's exit
                 forget_session(session)
         finally:
             if previous_sigterm is not None:

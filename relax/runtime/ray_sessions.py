@@ -1,7 +1,10 @@
 """Records of the embedded Ray sessions that ``relax run`` starts, so that the processes of a driver
 that was killed (``kill -9``, an OOM kill, a lost terminal) do not outlive it for good.
 
-A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself. One killed outright
+A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself, and then ends whatever
+of it still runs (``own_processes`` taken before, ``end_processes`` after): a Ray 2.60 worker can
+hang for good in the core worker's own exit handler (a lock taken twice while its event loop shuts
+down, seen here once in about ten runs), keeping half a gigabyte. One killed outright
 cannot: Ray's GCS, raylet, dashboard and runtime-env agents and idle workers go on running. So each
 embedded run writes a small record (its pid and start time, the Ray session folder, the pids of the
 processes Ray started) into the state folder, and removes it when it stops its Ray. The next
@@ -117,11 +120,41 @@ def session_processes(record: SessionRecord) -> list:
     return list(found.values())
 
 
+def own_processes() -> list:
+    """Every process below this one now: for a driver with an embedded Ray, Ray's daemons, agents
+    and workers (taken before Ray is stopped: a worker whose raylet is gone is no one's child)."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def end_processes(processes: list, grace_s: float = TERMINATE_GRACE_S) -> list[int]:
+    """SIGTERM to each process still running (the same process: pid and start time), SIGKILL to
+    those that did not end within ``grace_s``; the pids that had to be ended."""
+    import psutil
+
+    running = [p for p in processes if p.is_running()]
+    for process in running:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(running, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in running]
+
+
 def clean_orphaned_sessions() -> list[str]:
     """End the processes of every recorded session whose driver is gone and drop its record; the
     session folders of the sessions cleaned. A record of a live driver (another run) is left alone."""
-    import psutil
-
     folder = sessions_dir()
     if not folder.is_dir():
         return []
@@ -134,18 +167,7 @@ def clean_orphaned_sessions() -> list[str]:
         if _started(record.driver_pid) == record.driver_started:
             continue  # its driver still runs
         processes = session_processes(record)
-        for process in processes:
-            try:
-                process.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(processes, timeout=TERMINATE_GRACE_S)
-        for process in alive:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
+        end_processes(processes)
         path.unlink(missing_ok=True)
         if processes:
             cleaned.append(record.session_dir)
