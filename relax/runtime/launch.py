@@ -39,9 +39,6 @@ QUIET_ENV = {"RAY_SCHEDULER_EVENTS": "0", "TQ_LOGGING_LEVEL": "ERROR", "TRANSFOR
 #: events go on to the GCS: on two cores that was about a tenth of a tiny separate-mode step
 #: (68-70 ms against 61-62 ms per step, measured in two alternating pairs).
 EMBEDDED_RAY_ENV = {"RAY_task_events_report_interval_ms": "0", "RAY_enable_metrics_collection": "0"}
-#: How long a process of an embedded Ray still running after ``ray.shutdown`` gets to end on SIGTERM
-#: before it is killed (``relax.runtime.ray_sessions.end_processes``): by then the run is over.
-LEFTOVER_GRACE_S = 1.0
 #: What the driver needs once Ray runs (torch, TransferQueue, telemetry, the controller): imported
 #: in a background thread while Ray starts, since ``ray.init`` mostly waits for its own processes.
 RUNTIME_MODULES = ("relax.telemetry", "relax.runtime.placement", "relax.runtime.control",
@@ -438,7 +435,7 @@ def run_spec(spec: RunSpec, plan: Plan, *, base_dir: Path, resume: bool = False,
             if embedded:
                 ours = own_processes()
                 stop_embedded_ray()
-                end_processes(ours, grace_s=LEFTOVER_GRACE_S)  # none, unless one hangs in Ray's exit
+                end_processes(ours, grace_s=0)  # Ray is down and the run over: nothing left to save
                 forget_session(session)
         finally:
             if previous_sigterm is not None:

@@ -1,10 +1,11 @@
 """Records of the embedded Ray sessions that ``relax run`` starts, so that the processes of a driver
 that was killed (``kill -9``, an OOM kill, a lost terminal) do not outlive it for good.
 
-A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself, and then ends whatever
-of it still runs (``own_processes`` taken before, ``end_processes`` after): a Ray 2.60 worker can
-hang for good in the core worker's own exit handler (a lock taken twice while its event loop shuts
-down, seen here once in about ten runs), keeping half a gigabyte. One killed outright
+A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself, and then kills whatever
+of it still runs (``own_processes`` taken before, ``end_processes`` after): workers linger 1-3 s
+after ``ray.shutdown`` on their own, and a Ray 2.60 worker can hang for good in the core worker's
+own exit handler (a lock taken twice while its event loop shuts down, seen here once in about ten
+runs), keeping half a gigabyte. One killed outright
 cannot: Ray's GCS, raylet, dashboard and runtime-env agents and idle workers go on running. So each
 embedded run writes a small record (its pid and start time, the Ray session folder, the pids of the
 processes Ray started) into the state folder, and removes it when it stops its Ray. The next
@@ -132,23 +133,28 @@ def own_processes() -> list:
 
 
 def end_processes(processes: list, grace_s: float = TERMINATE_GRACE_S) -> list[int]:
-    """SIGTERM to each process still running (the same process: pid and start time), SIGKILL to
-    those that did not end within ``grace_s``; the pids that had to be ended."""
+    """End each process still running (the same process: pid and start time): SIGTERM, then
+    SIGKILL to those that did not end within ``grace_s``, and wait for them to go; with no grace,
+    SIGKILL at once, not waited for (a killed process that is not our child is gone only once
+    init reaps it: a second or more here). The pids that had to be ended."""
     import psutil
 
     running = [p for p in processes if p.is_running()]
-    for process in running:
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(running, timeout=grace_s)
+    alive = running
+    if grace_s > 0:
+        for process in running:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(running, timeout=grace_s)
     for process in alive:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    if grace_s > 0:
+        psutil.wait_procs(alive, timeout=TERMINATE_GRACE_S)
     return [p.pid for p in running]
 
 

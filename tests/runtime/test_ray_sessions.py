@@ -60,3 +60,11 @@ def test_end_processes_does_not_wait_out_the_grace_when_all_end_on_sigterm() -> 
     assert len(end_processes(processes, grace_s=30.0)) == 2
     assert time.monotonic() - started < 10.0
     polite.wait(5)
+
+
+def test_end_processes_without_grace_kills_at_once() -> None:
+    stubborn = _start(STUBBORN)
+    process = psutil.Process(stubborn.pid)
+    started = time.monotonic()
+    assert end_processes([process], grace_s=0) == [stubborn.pid]
+    assert stubborn.wait(5) == -9 and time.monotonic() - started < 5.0  # SIGKILL, not SIGTERM
