@@ -178,6 +178,13 @@ def _run_rank(model_path: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, 
                        "dp": trainer.data_parallel_size}
     if os.environ["RANK"] == "0":
         torch.save(result, out)
+    # The ranks leave together and tear the group down: a rank that exits with its gloo group and
+    # the TCP store still live can abort in their threads' destructors ("terminate called without
+    # an active exception", exit -6), after its work is done.
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
