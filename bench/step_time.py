@@ -21,6 +21,12 @@ the repeats, with their range), the work in a step (generating + scoring + train
 share (``time/work_frac``: work / step time), then the ratios issue 17 asks for: colocate over
 plugins (at most 1.1x), separate's speedup over colocate (at least 1.3x), and the work shares (at
 least 0.85 colocated, 0.9 separate). The Relax paper reports 1.76x-2.00x async speedups on GPUs.
+
+It also prints the CPU a steady step costs on each side: every process of this bench's tree
+(this one, Ray's daemons, the run's actors), split into the role workers (``ray::RoleWorker``,
+``ray::RankWorker``) and the rest (the run's control plane, the bus, Ray), and the cores that
+keeps busy. Separate mode overlaps generating with training only while cores are free: its step
+cannot be shorter than its CPU per step over the machine's cores (the "CPU floor" printed).
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_runs import run_tiny  # noqa: E402
@@ -48,11 +58,20 @@ class Side:
     step_s: list[float] = field(default_factory=list)
     work_s: list[float] = field(default_factory=list)
     share: list[float] = field(default_factory=list)
+    cpu: list[dict[str, float]] = field(default_factory=list)
+    """Per repeat, CPU seconds a steady step cost: ``workers``, ``rest``."""
 
-    def add(self, step_s: list[float], work_s: list[float], share: list[float]) -> None:
+    def add(self, step_s: list[float], work_s: list[float], share: list[float], cpu: dict[str, float]) -> None:
         self.step_s.append(statistics.median(step_s))
         self.work_s.append(statistics.median(work_s))
         self.share.append(statistics.median(share))
+        self.cpu.append(cpu)
+
+    def cpu_line(self, cores: int) -> str:
+        workers, rest = (statistics.median(c[k] for c in self.cpu) * 1000 for k in ("workers", "rest"))
+        step_ms = statistics.median(self.step_s) * 1000
+        return (f"{self.name:>9} | {workers + rest:6.1f} | {workers:7.1f} | {rest:6.1f} | "
+                f"{(workers + rest) / step_ms:5.2f} | {(workers + rest) / cores:5.1f}")
 
     def line(self, base: float | None) -> str:
         med = statistics.median(self.step_s)
@@ -61,7 +80,76 @@ class Side:
                 f"{statistics.median(self.work_s):.4f} | {statistics.median(self.share):.2f} | {ratio:>8}")
 
 
-def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list[float], list[float]]:
+#: Process titles of the processes that do a run's work (generate, score, train); the rest of the
+#: tree is the runtime's (control plane, bus, Ray's daemons) or this bench's.
+WORK_TITLES = ("ray::RoleWorker", "ray::RankWorker")
+
+
+def tree_cpu() -> dict[int, tuple[bool, float]]:
+    """Per process of this bench's tree: whether it is a role worker, and its CPU seconds so far."""
+    out = {}
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                title = " ".join(proc.cmdline()[:1])
+        except psutil.Error:  # ended meanwhile
+            continue
+        out[proc.pid] = (title.startswith(WORK_TITLES), times.user + times.system)
+    return out
+
+
+def cpu_per_step(before: dict[int, tuple[bool, float]], after: dict[int, tuple[bool, float]],
+                 steps: int) -> dict[str, float]:
+    """CPU seconds per step between two ``tree_cpu`` snapshots, role workers apart from the rest
+    (a process started in between counts from zero)."""
+    spent = {"workers": 0.0, "rest": 0.0}
+    for pid, (work, cpu) in after.items():
+        spent["workers" if work else "rest"] += cpu - before.get(pid, (work, 0.0))[1]
+    return {k: v / steps for k, v in spent.items()}
+
+
+class StepWatch:
+    """Snapshots ``tree_cpu`` when a run has done ``skip`` steps and when it has done all but its
+    last (before the run's end stops its processes), polling ``done()`` (steps done so far) in a
+    thread, so the figure covers steady steps only."""
+
+    POLL_S = 0.02
+
+    def __init__(self, done: Callable[[], int], skip: int, steps: int) -> None:
+        self.done, self.skip, self.steps = done, skip, steps
+        self.snaps: list[tuple[int, dict[int, tuple[bool, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for target in (self.skip, self.steps - 1):
+            while not self._stop.is_set() and (done := self.done()) < target:
+                self._stop.wait(self.POLL_S)
+            if self._stop.is_set():
+                return
+            self.snaps.append((done, tree_cpu()))
+
+    def result(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        if len(self.snaps) < 2 or self.snaps[1][0] <= self.snaps[0][0]:
+            raise SystemExit("the CPU watch missed the run's steady steps; run more --steps than --skip")
+        (n0, before), (n1, after) = self.snaps
+        return cpu_per_step(before, after, n1 - n0)
+
+
+def metrics_rows(path: Path) -> int:
+    """Steps a run has logged so far (lines of its metrics.jsonl)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list[float], list[float], dict]:
     """The synchronous loop over the built-in plugins, in this process."""
     import torch
 
@@ -70,20 +158,27 @@ def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list
 
     torch.set_num_threads(threads)
     spec = validate_spec(dict(BENCH_SPEC, trainer={"steps": steps}))
-    records = run(spec, os.environ.get("RELAX_CACHE", "~/.cache/relax"), steps, log=lambda *_: None)[skip:]
+    logged = [0]
+
+    def log(line: str) -> None:
+        logged[0] += line.startswith("step ")
+
+    watch = StepWatch(lambda: logged[0], skip, steps)
+    records = run(spec, os.environ.get("RELAX_CACHE", "~/.cache/relax"), steps, log=log)[skip:]
     step_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
     work_s = [r["generate_s"] + r["score_s"] + r["train_s"] for r in records]
-    return step_s, work_s, [w / s for w, s in zip(work_s[1:], step_s)]
+    return step_s, work_s, [w / s for w, s in zip(work_s[1:], step_s)], watch.result()
 
 
 def relax_once(mode: str, steps: int, skip: int, root: Path, tag: str,
-               extra: list[str]) -> tuple[list[float], list[float], list[float]]:
+               extra: list[str]) -> tuple[list[float], list[float], list[float], dict]:
     placement, staleness = MODES[mode]
-    rows = run_tiny(f"{mode}-{tag}", root, [f"trainer.steps={steps}", f"placement.mode={placement}",
-                                           f"async_policy.max_staleness={staleness}", "tracing.exporter=none",
-                                           *extra])[skip:]
+    name = f"{mode}-{tag}"
+    watch = StepWatch(lambda: metrics_rows(root / name / "metrics.jsonl"), skip, steps)
+    rows = run_tiny(name, root, [f"trainer.steps={steps}", f"placement.mode={placement}",
+                                 f"async_policy.max_staleness={staleness}", "tracing.exporter=none", *extra])[skip:]
     work = [r["time/rollout_s"] + r["time/reward_s"] + r["time/advantage_s"] + r["time/train_s"] for r in rows]
-    return [r["time/step_s"] for r in rows], work, [r["time/work_frac"] for r in rows]
+    return [r["time/step_s"] for r in rows], work, [r["time/work_frac"] for r in rows], watch.result()
 
 
 def main() -> None:
@@ -125,6 +220,13 @@ def main() -> None:
     print(f"async speedup over colocate:       {colocate / ahead:.2f}x (max_staleness 2)")
     print(f"work share: colocate {statistics.median(sides['colocate'].share):.2f} (at least 0.85), "
           f"separate {statistics.median(sides['separate'].share):.2f} (at least 0.9)")
+    cores = psutil.cpu_count() or 1
+    print(f"\nCPU of a steady step, every process of the run (median of the repeats), on {cores} CPUs:")
+    header = f"{'':>9} | CPU ms | workers | others | cores | CPU floor ms/step"
+    print(header)
+    print("-" * len(header))
+    for side in sides.values():
+        print(side.cpu_line(cores))
 
 
 if __name__ == "__main__":
