@@ -24,9 +24,9 @@ least 0.85 colocated, 0.9 separate). The Relax paper reports 1.76x-2.00x async s
 
 It also prints the CPU a steady step costs on each side: every process of this bench's tree
 (this one, Ray's daemons, the run's actors), split into the role workers (``ray::RoleWorker``,
-``ray::RankWorker``) and the rest (the run's control plane, the bus, Ray), and the cores that
-keeps busy. Separate mode overlaps generating with training only while cores are free: its step
-cannot be shorter than its CPU per step over the machine's cores (the "CPU floor" printed).
+``ray::RankWorker``) and the rest (the run's control plane, the bus, Ray), and how many cores
+that keeps busy. Separate mode overlaps generating with training only while cores are free: its
+step cannot be shorter than its CPU per step over the machine's cores (the "CPU floor" printed).
 """
 
 from __future__ import annotations
