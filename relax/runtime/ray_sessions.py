@@ -5,11 +5,11 @@ A driver that ends normally, on Ctrl-C or on SIGTERM stops its Ray itself, and t
 of it still runs (``own_processes`` taken before, ``end_processes`` after): workers linger 1-3 s
 after ``ray.shutdown`` on their own, and a Ray 2.60 worker can hang for good in the core worker's
 own exit handler (a lock taken twice while its event loop shuts down, seen here once in about ten
-runs), keeping half a gigabyte. One killed outright
-cannot: Ray's GCS, raylet, dashboard and runtime-env agents and idle workers go on running. So each
-embedded run writes a small record (its pid and start time, the Ray session folder, the pids of the
-processes Ray started) into the state folder, and removes it when it stops its Ray. The next
-``relax run`` reads the records first: a record whose driver is gone names processes to end.
+runs), keeping half a gigabyte. A driver killed outright cannot: Ray's GCS, raylet, dashboard and
+runtime-env agents and idle workers go on running. So each embedded run writes a small record
+(its pid and start time, the Ray session folder, the pids of the processes Ray started) into the
+state folder, and removes it when it stops its Ray. The next ``relax run`` reads the records first:
+a record whose driver is gone names processes to end.
 
 The state folder is ``$RELAX_STATE_DIR``, else ``$XDG_STATE_HOME/relax``, else
 ``~/.local/state/relax``; the records live in its ``ray-sessions/``.
