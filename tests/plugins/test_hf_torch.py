@@ -159,6 +159,30 @@ def test_updates_per_step_takes_several_optimizer_steps(make_spec, rollout, tiny
     assert trainer.optimizer.state[trainer.model.lm_head.weight]["step"].item() == 3
 
 
+def test_adam_runs_fused_where_torch_has_the_kernel_and_updates_as_the_loop_does(spec, rollout, tiny_model_path):
+    """The trainer's Adam takes torch's fused kernel on CPU float parameters (one kernel instead of
+    a loop over parameters), and its update equals the loop's up to float rounding."""
+    from relax_plugins.trainer.steps import build_optimizer
+
+    batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=9), rollout.pad_token_id)
+    fused, looped = _trainer(spec, tiny_model_path), _trainer(spec, tiny_model_path)
+    assert fused.optimizer.defaults["fused"] is True
+    looped.optimizer = torch.optim.AdamW(looped.optimizer.param_groups[0]["params"],
+                                         **{k: v for k, v in fused.optimizer.defaults.items()
+                                            if k in ("lr", "betas", "eps", "weight_decay")})
+    fused.train_step(batch)
+    looped.train_step(batch)
+    before = _trainer(spec, tiny_model_path).weights()
+    moved = 0
+    for key, value in fused.weights().items():
+        assert torch.allclose(value, looped.weights()[key], atol=1e-6, rtol=1e-5), key
+        moved += not torch.equal(value, before[key])
+    assert moved > 0
+    # no fused kernel on the meta device: torch's default there
+    meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    assert build_optimizer([meta], fused.optimizer_info, "torch").defaults["fused"] is None
+
+
 def test_save_and_load_round_trip_exactly(spec, rollout, tiny_model_path, tmp_path):
     sampling = spec.roles.rollout.sampling
     first = _batch(rollout.generate(PROMPTS, N, sampling, seed=7), rollout.pad_token_id)
