@@ -27,7 +27,10 @@ def local_ray(**options: Any) -> Iterator[None]:
     """A fresh local Ray for the block (runs inside it start and close their own bus and workers)."""
     import ray
 
-    ray.init(address="local", num_cpus=TEST_RAY_CPUS, include_dashboard=False, log_to_driver=False, **options)
+    from relax.runtime.launch import lean_head_node
+
+    with lean_head_node():
+        ray.init(address="local", num_cpus=TEST_RAY_CPUS, include_dashboard=False, log_to_driver=False, **options)
     try:
         yield
     finally:

@@ -1,5 +1,6 @@
 """The embedded Ray a run starts: its processes get ``EMBEDDED_RAY_ENV`` (no task events, no Ray
-metrics), and the driver's own environment is left as it was."""
+metrics), it starts without Ray's dashboard head and autoscaler monitor, and the driver's own
+environment (and Ray's classes) are left as they were."""
 
 from __future__ import annotations
 
@@ -21,20 +22,28 @@ def test_environment_is_set_inside_the_block_and_restored_after(monkeypatch) -> 
     assert os.environ["RELAX_TEST_KEPT"] == "before" and "RELAX_TEST_NEW" not in os.environ
 
 
-def test_an_embedded_ray_s_workers_run_without_task_events_and_the_driver_keeps_its_environment(
-        tmp_path: Path) -> None:
+def test_an_embedded_ray_s_workers_run_without_task_events_or_unused_head_processes(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os
+        import psutil
         import ray
+        from ray._private.node import Node
         from relax.runtime.launch import EMBEDDED_RAY_ENV, _init_ray
         from relax.testing import tiny_spec
 
+        methods = (Node.start_api_server, Node.start_monitor)
         spec, _, _ = tiny_spec({str(tmp_path)!r}, "embedded")
         assert _init_ray(spec), "an embedded Ray was expected"
         try:
             seen = ray.get(ray.remote(lambda: {{k: os.environ.get(k) for k in EMBEDDED_RAY_ENV}}).remote())
             assert seen == EMBEDDED_RAY_ENV, seen
             assert not any(k in os.environ for k in EMBEDDED_RAY_ENV), "the driver's environment changed"
+            started = ray._private.worker._global_node.all_processes
+            assert {{"gcs_server", "raylet"}} <= set(started) and not {{"dashboard", "monitor"}} & set(started), started
+            lines = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+            assert not [l for l in lines if "dashboard/dashboard.py" in l or "autoscaler/_private/monitor.py" in l
+                        or "_private/monitor.py" in l], lines
+            assert (Node.start_api_server, Node.start_monitor) == methods, "Ray's Node was left patched"
         finally:
             ray.shutdown()
         print("checked")
