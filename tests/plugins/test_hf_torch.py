@@ -159,7 +159,7 @@ def test_updates_per_step_takes_several_optimizer_steps(make_spec, rollout, tiny
     assert trainer.optimizer.state[trainer.model.lm_head.weight]["step"].item() == 3
 
 
-def test_adam_runs_fused_where_torch_has_the_kernel_and_updates_as_the_loop_does(spec, rollout, tiny_model_path):
+def test_adam_runs_fused_on_cpu_and_updates_as_the_loop_does(spec, rollout, tiny_model_path):
     """The trainer's Adam takes torch's fused kernel on CPU float parameters (one kernel instead of
     a loop over parameters), and its update equals the loop's up to float rounding."""
     from relax_plugins.trainer.steps import build_optimizer
@@ -178,7 +178,7 @@ def test_adam_runs_fused_where_torch_has_the_kernel_and_updates_as_the_loop_does
         assert torch.allclose(value, looped.weights()[key], atol=1e-6, rtol=1e-5), key
         moved += not torch.equal(value, before[key])
     assert moved > 0
-    # no fused kernel on the meta device: torch's default there
+    # elsewhere (here the meta device) torch's default
     meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert build_optimizer([meta], fused.optimizer_info, "torch").defaults["fused"] is None
 
