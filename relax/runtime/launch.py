@@ -231,7 +231,7 @@ def lean_head_node() -> Iterator[None]:
     and ``ray.init`` still waits for it to come up before it starts the raylet), and the monitor
     runs the autoscaler of a one-machine Ray whose resources are fixed. Without them ``ray.init``
     took 2.0-3.7 s against 4.1-6.3 s on the 2-core box (alternating runs), with two Python
-    processes fewer (about 1.3 s of CPU at start-up) and one listening port less. What an embedded
+    processes fewer (about 1.3 s of CPU at start-up) and no dashboard HTTP listener. What an embedded
     run loses is Ray's own ``ray status`` and ``ray list`` against it; a run that joins a Ray
     started with ``ray start`` (``cluster.address``) keeps all of it. A Ray whose internals moved
     (the two ``Node`` methods are gone) starts as it always did."""
