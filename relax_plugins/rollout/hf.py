@@ -1,12 +1,14 @@
-"""``hf``: a rollout backend on plain Hugging Face transformers ``generate`` (CPU or one GPU).
+"""``hf``: a rollout backend on plain Hugging Face transformers models (CPU or one GPU).
 
-The always-available rollout: no engine to start, one batched ``generate`` call for all prompts x
-samples. Behaviour log-probs are those of the distribution each token was actually sampled from:
-``log softmax`` of the logits after temperature scaling and top-k / top-p truncation (the
-``scores`` of ``generate``). With temperature 1, top_p 1 and top_k 0 that is the model's own
-distribution, which the trainer reproduces to float32 round-off. With temperature T != 1 it is
-``softmax(logits / T)``, which the ``torch`` trainer also uses (it divides by the rollout's
-temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy decoding
+The always-available rollout: no engine to start, all prompts x samples in one batch. Text models
+are sampled by a lean loop over the model's forward (``relax_plugins.rollout.decode``: shared
+prompts prefilled once, one inverse-CDF draw per row and token); media models, whose prefill takes
+their media tensors, go through ``transformers``' ``generate``. Behaviour log-probs are those of
+the distribution each token was actually sampled from: ``log softmax`` of the logits after
+temperature scaling and top-k / top-p truncation. With temperature 1, top_p 1 and top_k 0 that is
+the model's own distribution, which the trainer reproduces to float32 round-off. With temperature
+T != 1 it is ``softmax(logits / T)``, which the ``torch`` trainer also uses (it divides by the
+rollout's temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy decoding
 (temperature 0) reports the log-probs of the unscaled model.
 """
 
@@ -93,6 +95,11 @@ class HFRollout:
         declared = self.model.generation_config.eos_token_id
         declared = declared if isinstance(declared, list) else [declared] if declared is not None else []
         self.stop_token_ids = [self.eos_token_id] + [int(t) for t in declared if int(t) != self.eos_token_id]
+        from relax_plugins.rollout.decode import supports
+
+        self.lean = self.media is None and supports(self.model)
+        """Text generation runs on the lean sampling loop (``relax_plugins.rollout.decode``);
+        media models and models without a standard key/value cache keep ``generate``."""
         self.version = 0
         """The policy version of the weights held (0: the initial weights)."""
         self._recipient: Any = None
@@ -171,25 +178,12 @@ class HFRollout:
                 self._items = ItemEncoder(self.encoder.processor, self.media)
             extra = {k: v.to(self.device) for k, v in batch_media([self._items(p.media) for p in prompts]).items()}
         budgets = [int(p.max_new_tokens or sampling.max_new_tokens) for p in prompts]
-        widest = sampling.model_copy(update={"max_new_tokens": max(budgets)})
         rows = [(index, list(p.ids)) for index, p in enumerate(prompts)]
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
             if self.device.type == "cuda":
                 torch.cuda.manual_seed(seed)
-            out = self._generate_rows(rows, widest, extra,
-                                      None if pause is None else _PauseAt(pause, self.stop_token_ids, budgets))
-        return [self._cut(g, budget) for g, budget in zip(out, budgets)]
-
-    def _cut(self, generation: Generation, budget: int) -> Generation:
-        if len(generation.response_ids) <= budget:
-            return generation
-        response = generation.response_ids[:budget]
-        routed = generation.routed_experts
-        return Generation(prompt_index=generation.prompt_index, prompt_ids=generation.prompt_ids,
-                          response_ids=response, logprobs=generation.logprobs[:budget],
-                          text=self.tokenizer.decode(response, skip_special_tokens=True), finished=False,
-                          routed_experts=None if routed is None else routed[:budget])
+            return self._generate_rows(rows, sampling, extra, pause, budgets)
 
     def encode_text(self, text: str, refs: list[Any]) -> list[int]:
         """Rendered chat text with one media marker per reference, as the model reads it: ids with the
@@ -227,8 +221,52 @@ class HFRollout:
         )
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any,
-                       media_inputs: dict[str, Any] | None = None, pause: Any = None) -> list[Generation]:
+                       media_inputs: dict[str, Any] | None = None, pause: Any = None,
+                       budgets: list[int] | None = None) -> list[Generation]:
+        """One response per ``(prompt_index, prompt ids)`` row, row i within ``budgets[i]`` new
+        tokens (the sampling's ``max_new_tokens`` when not given)."""
+        budgets = budgets or [int(sampling.max_new_tokens)] * len(rows)
+        recorder = None
+        if self.context.record_routing:
+            from relax_plugins.moe_routing import GenerationRouting
+
+            recorder = GenerationRouting(self.model, len(rows))
+        with recorder if recorder is not None else nullcontext():
+            if self.lean and not media_inputs:
+                from relax_plugins.rollout.decode import sample
+
+                sampled = sample(self.model, [ids for _, ids in rows], budgets,
+                                 temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                                 top_k=int(sampling.top_k), stop_ids=self.stop_token_ids, pad_id=self.pad_token_id,
+                                 suppressed=self.suppressed, share_prompts=recorder is None, pause=pause)
+            else:
+                sampled = self._sample_with_generate(rows, sampling, budgets, media_inputs or {}, pause)
+        routed = (recorder.per_row([len(t) for t in sampled.tokens]) if recorder is not None
+                  else [None] * len(rows))
+        generations = []
+        for i, (prompt_index, ids) in enumerate(rows):
+            response, finished = sampled.tokens[i], sampled.finished[i]
+            text_ids = response[:-1] if finished else response
+            generations.append(Generation(
+                prompt_index=prompt_index,
+                prompt_ids=list(ids),
+                response_ids=response,
+                logprobs=sampled.logprobs[i],
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                finished=finished,
+                routed_experts=routed[i],
+            ))
+        return generations
+
+    def _sample_with_generate(self, rows: list[tuple[int, list[int]]], sampling: Any, budgets: list[int],
+                              media_inputs: dict[str, Any], pause: Any) -> Any:
+        """``transformers``' own ``generate``, for what the lean loop does not drive: models with
+        media inputs (their prefill takes the media tensors and model-specific positions) and
+        models without a standard key/value cache. One call at the widest budget; each row is then
+        cut to its own (a prefix of a sample is a sample with the same log-probs)."""
         import torch
+
+        from relax_plugins.rollout.decode import Sampled
 
         width = max(len(ids) for _, ids in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -236,44 +274,29 @@ class HFRollout:
         for i, (_, ids) in enumerate(rows):
             input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids):] = 1
-        recorder = None
-        if self.context.record_routing:
-            from relax_plugins.moe_routing import GenerationRouting
-
-            recorder = GenerationRouting(self.model, len(rows))
-        with recorder if recorder is not None else nullcontext():
-            result = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=self._generation_config(sampling),
-                **({} if pause is None else {"stopping_criteria": pause.criteria(width)}),
-                **(media_inputs or {}),
-            )
+        widest = sampling.model_copy(update={"max_new_tokens": max(budgets)})
+        stopping = {} if pause is None else {
+            "stopping_criteria": _PauseAt(pause, self.stop_token_ids, budgets).criteria(width)}
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=self._generation_config(widest),
+            **stopping,
+            **media_inputs,
+        )
         new_tokens = result.sequences[:, width:].cpu()
         scores = torch.stack(result.scores, dim=1).float()  # [rows, new, vocab], as sampled from
         logprobs = torch.log_softmax(scores, dim=-1).gather(
-            -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
-        generations = []
+            -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu().tolist()
         stops = set(self.stop_token_ids)
-        sequences = [new_tokens[i].tolist() for i in range(len(rows))]
-        ends = [next((j for j, token in enumerate(tokens) if token in stops), None) for tokens in sequences]
-        lengths = [len(tokens) if end is None else end + 1 for tokens, end in zip(sequences, ends)]
-        routed = recorder.per_row(lengths) if recorder is not None else [None] * len(rows)
-        for i, (prompt_index, ids) in enumerate(rows):
-            finished = ends[i] is not None
-            length = lengths[i]
-            response = sequences[i][:length]
-            text_ids = response[:-1] if finished else response
-            generations.append(Generation(
-                prompt_index=prompt_index,
-                prompt_ids=list(ids),
-                response_ids=response,
-                logprobs=logprobs[i, :length].tolist(),
-                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
-                finished=finished,
-                routed_experts=routed[i],
-            ))
-        return generations
+        tokens, kept, finished = [], [], []
+        for i, sequence in enumerate(new_tokens.tolist()):
+            end = next((j for j, token in enumerate(sequence[:budgets[i]]) if token in stops), None)
+            length = min(len(sequence), budgets[i]) if end is None else end + 1
+            tokens.append(sequence[:length])
+            kept.append(logprobs[i][:length])
+            finished.append(end is not None)
+        return Sampled(tokens=tokens, logprobs=kept, finished=finished)
 
     # -- weights --------------------------------------------------------------------------------
 
