@@ -8,6 +8,11 @@ minimises the clipped value loss against the advantage role's ``returns``. Log-p
 ``softmax(logits / T)`` with ``T`` the rollout's sampling temperature (1 when sampling is greedy),
 matching the distribution the ``hf`` rollout samples from.
 
+Policies on text models run their forward passes on packed rows (``relax.algo.packing``): the
+real tokens of several rows side by side, so a batch padded to its longest row costs what its real
+tokens cost. The model's attention is checked once to give the same log-probs packed as padded;
+``pack_sequences: false`` turns packing off.
+
 Mixture-of-experts routing replay (``TrainerContext.router_replay``, ``relax_plugins.moe_routing``):
 with ``r3`` every forward pass over a batch that carries the rollout's ``routed_experts`` routes its
 response tokens with them; with ``r2`` a step that takes several updates first records the actor's
@@ -41,6 +46,12 @@ class TorchTrainer:
 
     class Config(TrainerConfig):
         """Options of the torch train backend."""
+
+        pack_sequences: bool = True
+        """Run each micro-batch's forward on packed rows (``relax.algo.packing``: the real tokens
+        of several rows side by side, no padding) rather than padded ones. Used only for text
+        policies without routing replay, and only when the model's attention is checked, once,
+        to give the same log-probs packed as padded; false always uses padded rows."""
 
     def __init__(self, config: TorchTrainer.Config, context: TrainerContext) -> None:
         import torch
@@ -114,6 +125,9 @@ class TorchTrainer:
                 raise ValueError(f"algorithm.router_replay={self.router_replay} but {self.model_path} is a dense "
                                  "model (no MoE router); set algorithm.router_replay: off")
         self._replay_stats: dict[str, float] = {}
+        self._pack: bool | None = None if config.pack_sequences and self.encoder is None and not self.is_critic \
+            else False
+        """Whether policy forwards run on packed rows: None until checked on the first batch."""
 
     def _build_optimizer(self) -> Any:
         return build_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_info, "torch")
@@ -191,9 +205,41 @@ class TorchTrainer:
 
     def _logprobs(self, batch: Any) -> Any:
         """Token log-probs ``[b, t]`` of a (trimmed) micro-batch, with the graph when grad is on."""
+        return self._policy_outputs(batch, entropy=False)[0]
+
+    def _policy_outputs(self, batch: Any, entropy: bool) -> tuple[Any, Any]:
+        """Token log-probs ``[b, t]`` of a micro-batch and, when ``entropy``, the per-token
+        entropies (else None), from one forward pass: on packed rows when packing applies."""
         from relax.algo.batch import token_logprobs
 
-        return token_logprobs(self._logits(batch), batch.input_ids.to(self.device), self.temperature)
+        packed = self._packed(batch)
+        if packed is None:
+            logits = self._logits(batch)
+            input_ids = batch.input_ids.to(self.device)
+            return (token_logprobs(logits, input_ids, self.temperature),
+                    _token_entropy(logits, self.temperature) if entropy else None)
+        input_ids = packed.input_ids
+        logits = self.model(input_ids=input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        starts = packed.starts
+        logprobs = packed.unpack(token_logprobs(logits, input_ids, self.temperature).masked_fill(starts, 0.0))
+        if not entropy:
+            return logprobs, None
+        return logprobs, packed.unpack(_token_entropy(logits, self.temperature).masked_fill(starts, 0.0))
+
+    def _packed(self, batch: Any) -> Any:
+        """The micro-batch laid out as packed rows on this device, or None where padded rows are
+        used: media models, the critic, routing replay, ``pack_sequences: false``, or a model
+        whose attention does not honour packing."""
+        if self._pack is False or (self.router_replay != "off" and batch.routed_experts is not None):
+            return None
+        from relax.algo.packing import pack_rows
+
+        if self._pack is None:
+            self._pack = _packing_is_exact(self.model, self.device)
+            if not self._pack:
+                return None
+        return pack_rows(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                         batch.position_ids.to(self.device))
 
     def _values(self, batch: Any) -> Any:
         """Critic values ``[b, t]``: entry t is the value of the state before token t (the head's
@@ -210,16 +256,11 @@ class TorchTrainer:
         version these weights are."""
         if self.is_critic:
             return self.loss.compute(micro, self._values(micro))
-        if getattr(self.loss, "needs_entropy", False):
-            from relax.algo.batch import token_logprobs
-
-            logits = self._logits(micro)
-            input_ids = micro.input_ids.to(self.device)
-            logprobs = token_logprobs(logits, input_ids, self.temperature)
-            self._count_mismatch(mismatch, micro, logprobs)
-            return self.loss.compute(micro, logprobs, entropy=_token_entropy(logits, self.temperature))
-        logprobs = self._logprobs(micro)
+        wants_entropy = bool(getattr(self.loss, "needs_entropy", False))
+        logprobs, entropy = self._policy_outputs(micro, entropy=wants_entropy)
         self._count_mismatch(mismatch, micro, logprobs)
+        if wants_entropy:
+            return self.loss.compute(micro, logprobs, entropy=entropy)
         return self.loss.compute(micro, logprobs)
 
     def _count_mismatch(self, mismatch: Any, micro: Any, logprobs: Any) -> None:
@@ -437,6 +478,42 @@ def _sum_over_ranks(dist: Any, params: list[Any], stats: dict[str, float]) -> No
     values = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(values)
     stats.update({k: float(v) for k, v in zip(keys, values)})
+
+
+def _packing_is_exact(model: Any, device: Any) -> bool:
+    """Whether ``model`` computes the same log-probs on packed rows as on padded ones: two short
+    sequences, each alone and both in one packed row. Models whose attention ignores a restart of
+    the position ids (it would attend across the packed sequences) fail it and keep padded rows."""
+    import torch
+
+    from relax.algo.batch import token_logprobs
+    from relax.algo.packing import pack_rows
+
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 6), generator=generator)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    packed = pack_rows(ids, mask, positions, capacity=10)
+    if packed.input_ids.shape[0] != 1:
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            padded = token_logprobs(model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                          position_ids=positions.to(device), use_cache=False).logits,
+                                    ids.to(device))
+            flat = token_logprobs(model(input_ids=packed.input_ids.to(device),
+                                        position_ids=packed.position_ids.to(device), use_cache=False).logits,
+                                  packed.input_ids.to(device))
+    finally:
+        model.train(was_training)
+    moved = packed.unpack(flat.cpu().masked_fill(packed.starts, 0.0))
+    check = mask.bool() & ~(positions == 0)
+    # Round-off of the model's own dtype; attending across the two sequences moves them far more.
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(moved[check], padded.cpu()[check].float(), atol=tolerance, rtol=0.0))
 
 
 def _token_entropy(logits: Any, temperature: float) -> Any:

@@ -272,3 +272,41 @@ def test_data_parallel_ranks_take_the_whole_batch_update(rollout, tiny_model_pat
     for key, value in single.weights().items():
         assert torch.allclose(parallel["weights"][key], value, atol=1e-6), key
     assert max((single.weights()[k] - initial[k]).abs().max().item() for k in initial) > 1e-3
+
+
+def test_packed_rows_give_the_padded_logprobs_and_update(make_spec, rollout, tiny_model_path):
+    """The trainer's forward on packed rows (``relax.algo.packing``) gives the log-probs, loss,
+    gradient norm and update of the padded rows, on fewer token slots."""
+    from relax.algo.packing import pack_rows
+
+    spec = make_spec({"roles.actor.micro_batch_size": 64, "roles.actor.optimizer": {"name": "sgd", "lr": 1.0}})
+    batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=12), rollout.pad_token_id)
+    packed_rows = pack_rows(batch.input_ids, batch.attention_mask, batch.position_ids)
+    assert packed_rows.input_ids.numel() < batch.input_ids.numel()
+    packed, padded = _trainer(spec, tiny_model_path), _trainer(spec, tiny_model_path, pack_sequences=False)
+    mask = batch.response_mask.bool()
+    assert (packed.compute_logprobs(batch) - padded.compute_logprobs(batch))[mask].abs().max() < 1e-5
+    assert packed._pack is True and padded._pack is False
+    m_packed, m_padded = packed.train_step(batch), padded.train_step(batch)
+    assert m_packed["loss"] == pytest.approx(m_padded["loss"], abs=1e-6)
+    assert m_packed["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=1e-4)
+    for key, value in packed.weights().items():
+        assert torch.allclose(value, padded.weights()[key], atol=1e-6), key
+
+
+def test_a_model_whose_attention_ignores_packing_keeps_padded_rows(spec, rollout, tiny_model_path):
+    """A model that would attend across packed sequences (here: one that always builds its own
+    all-ones mask, so it never sees the position restarts) fails the one-time check and the trainer
+    keeps padded rows, with the right log-probs."""
+    trainer = _trainer(spec, tiny_model_path)
+    forward = trainer.model.forward
+
+    def blind(input_ids=None, attention_mask=None, **kwargs):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    trainer.model.forward = blind
+    batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=13), rollout.pad_token_id)
+    assert _max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+    assert trainer._pack is False
