@@ -8,10 +8,11 @@ minimises the clipped value loss against the advantage role's ``returns``. Log-p
 ``softmax(logits / T)`` with ``T`` the rollout's sampling temperature (1 when sampling is greedy),
 matching the distribution the ``hf`` rollout samples from.
 
-Policies on text models run their forward passes on packed rows (``relax.algo.packing``): the
-real tokens of several rows side by side, so a batch padded to its longest row costs what its real
-tokens cost. The model's attention is checked once to give the same log-probs packed as padded;
-``pack_sequences: false`` turns packing off.
+Policies on text models run their forward passes on packed rows (``relax.algo.packing``): no
+padding, and each prompt once for all its samples, with an attention mask that keeps every sample
+to its own tokens. On the tiny CPU preset that halves the token slots of a step. The model's
+attention is checked once to give the same log-probs packed as padded; ``pack_sequences: false``
+turns packing off.
 
 Mixture-of-experts routing replay (``TrainerContext.router_replay``, ``relax_plugins.moe_routing``):
 with ``r3`` every forward pass over a batch that carries the rollout's ``routed_experts`` routes its
@@ -48,10 +49,10 @@ class TorchTrainer:
         """Options of the torch train backend."""
 
         pack_sequences: bool = True
-        """Run each micro-batch's forward on packed rows (``relax.algo.packing``: the real tokens
-        of several rows side by side, no padding) rather than padded ones. Used only for text
-        policies without routing replay, and only when the model's attention is checked, once,
-        to give the same log-probs packed as padded; false always uses padded rows."""
+        """Run each micro-batch's forward on packed rows (``relax.algo.packing``: no padding, a
+        prompt once for all its samples) rather than padded ones. Used only for text policies
+        without routing replay, on ``sdpa`` or ``eager`` attention, and only when the model is
+        checked, once, to give the same log-probs packed as padded; false always uses padded rows."""
 
     def __init__(self, config: TorchTrainer.Config, context: TrainerContext) -> None:
         import torch
@@ -218,13 +219,10 @@ class TorchTrainer:
             input_ids = batch.input_ids.to(self.device)
             return (token_logprobs(logits, input_ids, self.temperature),
                     _token_entropy(logits, self.temperature) if entropy else None)
-        input_ids = packed.input_ids
-        logits = self.model(input_ids=input_ids, position_ids=packed.position_ids, use_cache=False).logits
-        starts = packed.starts
-        logprobs = packed.unpack(token_logprobs(logits, input_ids, self.temperature).masked_fill(starts, 0.0))
-        if not entropy:
-            return logprobs, None
-        return logprobs, packed.unpack(_token_entropy(logits, self.temperature).masked_fill(starts, 0.0))
+        logits = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                            attention_mask=packed.attention(self.model.dtype), use_cache=False).logits
+        return (packed.token_logprobs(logits, self.temperature),
+                packed.token_entropy(logits, self.temperature) if entropy else None)
 
     def _packed(self, batch: Any) -> Any:
         """The micro-batch laid out as packed rows on this device, or None where padded rows are
@@ -239,7 +237,7 @@ class TorchTrainer:
             if not self._pack:
                 return None
         return pack_rows(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                         batch.position_ids.to(self.device))
+                         batch.position_ids.to(self.device), batch.response_mask.to(self.device))
 
     def _values(self, batch: Any) -> Any:
         """Critic values ``[b, t]``: entry t is the value of the state before token t (the head's
@@ -481,39 +479,47 @@ def _sum_over_ranks(dist: Any, params: list[Any], stats: dict[str, float]) -> No
 
 
 def _packing_is_exact(model: Any, device: Any) -> bool:
-    """Whether ``model`` computes the same log-probs on packed rows as on padded ones: two short
-    sequences, each alone and both in one packed row. Models whose attention ignores a restart of
-    the position ids (it would attend across the packed sequences) fail it and keep padded rows."""
+    """Whether ``model`` computes the same log-probs on packed rows as on padded ones, on a small
+    batch where two rows share a prompt and a third stands alone. Packing needs an attention that
+    takes an explicit additive mask (``sdpa`` or ``eager``) and no sliding-window layers (the mask
+    would override the window); a model whose attention ignores the mask fails the comparison. Either
+    way the trainer keeps padded rows."""
     import torch
 
     from relax.algo.batch import token_logprobs
     from relax.algo.packing import pack_rows
 
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or \
+            "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return False
     vocab = int(model.get_input_embeddings().weight.shape[0])
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 6), generator=generator)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ids = torch.randint(0, vocab, (3, 8), generator=generator)
+    ids[1, :4] = ids[0, :4]  # rows 0 and 1: the same prompt, different responses
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    response = torch.zeros(3, 8)
+    response[:, 4:] = mask[:, 4:].float()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    packed = pack_rows(ids, mask, positions, capacity=10)
-    if packed.input_ids.shape[0] != 1:
-        return False
+    packed = pack_rows(ids.to(device), mask.to(device), positions.to(device), response.to(device))
+    if packed.input_ids.numel() >= int(mask.sum()):
+        return False  # the shared prompt was not shared
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             padded = token_logprobs(model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                           position_ids=positions.to(device), use_cache=False).logits,
-                                    ids.to(device))
-            flat = token_logprobs(model(input_ids=packed.input_ids.to(device),
-                                        position_ids=packed.position_ids.to(device), use_cache=False).logits,
-                                  packed.input_ids.to(device))
+                                    ids.to(device)).cpu()
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                           attention_mask=packed.attention(model.dtype), use_cache=False).logits
+            flat = packed.token_logprobs(logits).cpu()
     finally:
         model.train(was_training)
-    moved = packed.unpack(flat.cpu().masked_fill(packed.starts, 0.0))
-    check = mask.bool() & ~(positions == 0)
-    # Round-off of the model's own dtype; attending across the two sequences moves them far more.
-    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
-    return bool(torch.allclose(moved[check], padded.cpu()[check].float(), atol=tolerance, rtol=0.0))
+    check = mask.bool() & (positions > 0)
+    # Round-off of the model's own dtype; attending across sequences moves them far more.
+    tolerance = 1e-4 if model.dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(flat[check], padded[check].float(), atol=tolerance, rtol=0.0))
 
 
 def _token_entropy(logits: Any, temperature: float) -> Any:

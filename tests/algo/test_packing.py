@@ -1,74 +1,99 @@
-"""Sequence packing (``relax.algo.packing``): every real token of a padded batch lands once, rows
-stay whole and keep their positions, and values go back to the padded layout with gradients."""
+"""Packed rows (``relax.algo.packing``): every token sees exactly the earlier tokens of its own
+sample, shared prompts are held once, and log-probs come back in the padded layout from the slot
+that holds each token's predecessor."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from relax.algo.packing import pack_rows
 
 
-def _padded(lengths: list[int], width: int, left: int, pad_id: int = 0):
-    """Rows of ``lengths`` real tokens: the first ``left`` rows left-padded, the rest right-padded;
-    token ids encode (row, column) so misplaced tokens show."""
-    rows = len(lengths)
+def _batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0):
+    """The collated layout: prompts left-padded to the longest, responses from one column on."""
+    width_p = max(len(p) for p in prompts)
+    width = width_p + max(len(r) for r in responses)
+    rows = len(prompts)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        start = width - n if i < left else 0
-        ids[i, start:start + n] = 1000 * (i + 1) + torch.arange(start, start + n)
-        mask[i, start:start + n] = 1
-    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
+    response = torch.zeros((rows, width))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, width_p - len(p):width_p] = torch.tensor(p)
+        ids[i, width_p:width_p + len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, width_p - len(p):width_p + len(r)] = 1
+        response[i, width_p:width_p + len(r)] = 1.0
+    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0), response
 
 
-def test_every_row_lands_whole_once_with_its_positions():
-    lengths = [7, 2, 5, 1, 7, 3, 4, 6, 0, 2]
-    ids, mask, positions = _padded(lengths, width=9, left=5)
-    packed = pack_rows(ids, mask, positions, pad_id=-1)
-    capacity = packed.input_ids.shape[1]
-    assert capacity == 2 * max(lengths)
-    assert packed.input_ids.numel() < ids.numel()  # padding went away
-    found = {}
-    for b, row in enumerate(packed.input_ids.tolist()):
-        for col, token in enumerate(row):
-            if token != -1:
-                found.setdefault(token // 1000 - 1, []).append((b, col, packed.position_ids[b, col].item()))
-    assert sorted(found) == [i for i, n in enumerate(lengths) if n]
-    for i, slots in found.items():
-        assert len(slots) == lengths[i]
-        assert len({b for b, _, _ in slots}) == 1  # a row is never split
-        cols = [c for _, c, _ in slots]
-        assert cols == list(range(cols[0], cols[0] + lengths[i]))  # contiguous, in order
-        assert [p for _, _, p in slots] == list(range(lengths[i]))  # its own positions from 0
-    assert packed.starts.sum().item() >= sum(1 for n in lengths if n)
+PROMPTS = [[11, 12, 13], [11, 12, 13], [21, 22], [11, 12, 13], [31]]
+RESPONSES = [[101, 102], [103], [104, 105, 106], [107, 108, 109, 110], [111]]
 
 
-def test_unpack_puts_values_back_and_carries_gradients():
-    ids, mask, positions = _padded([3, 5, 1, 4], width=6, left=2)
-    packed = pack_rows(ids, mask, positions, capacity=8)
-    assert packed.input_ids.shape == (2, 8)  # 5+3, 4+1
-    values = packed.input_ids.float().requires_grad_()
-    back = packed.unpack(values)
-    assert torch.equal(back, (ids * mask).float())
-    back.sum().backward()
-    assert torch.equal(values.grad, (packed.input_ids != 0).float())  # unused slots get no gradient
+def _visible(packed, slot: int) -> list[int]:
+    """The token ids a packed slot may attend to, in slot order."""
+    row, col = divmod(slot, packed.input_ids.shape[1])
+    allowed = packed.attention(torch.float32)[row, 0, col] == 0
+    return packed.input_ids[row][allowed].tolist()
 
 
-def test_a_capacity_below_the_longest_row_grows_to_it():
-    ids, mask, positions = _padded([6, 2], width=6, left=0)
-    packed = pack_rows(ids, mask, positions, capacity=3)
-    assert packed.input_ids.shape[1] == 6
+def test_every_token_sees_exactly_its_samples_earlier_tokens():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1)
+    width = ids.shape[1]
+    # the predictor of token (b, t) holds token (b, t - 1) at its position, and sees the sample up to it
+    for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
+        b, t = divmod(target, width)
+        assert packed.input_ids.view(-1)[predictor] == ids[b, t - 1]
+        assert packed.position_ids.view(-1)[predictor] == positions[b, t - 1]
+        assert _visible(packed, predictor) == ids[b][mask[b].bool()][:positions[b, t - 1] + 1].tolist()
+    # every token with a predecessor is a target once; first tokens are not
+    assert sorted(packed.targets.tolist()) == [b * width + t for b in range(len(PROMPTS)) for t in range(width)
+                                               if mask[b, t] and t > 0 and mask[b, t - 1]]
 
 
-@pytest.mark.parametrize("rows", [1, 64])
-def test_best_fit_fills_packed_rows(rows):
-    generator = torch.Generator().manual_seed(rows)
-    lengths = torch.randint(1, 40, (rows,), generator=generator).tolist()
-    ids, mask, positions = _padded(lengths, width=40, left=rows // 2)
-    packed = pack_rows(ids, mask, positions)
-    bins, capacity = packed.input_ids.shape
-    assert sum(lengths) <= bins * capacity
-    # no row was opened while an earlier one could hold the row that opened it: at most one
-    # packed row is half full or less
-    assert bins <= 2 * sum(lengths) / capacity + 1
+def test_a_shared_prompt_is_held_once():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1)
+    held = packed.input_ids[packed.input_ids != -1].tolist()
+    assert held.count(11) == 1 and held.count(21) == 1  # three samples of [11, 12, 13], one copy
+    assert len(held) == 3 + 2 + 1 + sum(len(r) for r in RESPONSES)
+    assert packed.slots < ids.numel()
+
+
+def test_samples_beyond_the_capacity_repeat_their_prompt():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1, capacity=7)
+    held = packed.input_ids[packed.input_ids != -1].tolist()
+    assert held.count(11) == 2  # 3 + 2 + 1 + 4 > 7: the prompt's samples take two items
+    assert packed.input_ids.shape[1] == 7
+    for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
+        b, t = divmod(target, ids.shape[1])
+        assert _visible(packed, predictor) == ids[b][mask[b].bool()][:positions[b, t - 1] + 1].tolist()
+
+
+def test_logprobs_come_back_padded_with_their_gradients():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response)
+    vocab = 120
+    logits = torch.randn(*packed.input_ids.shape, vocab, requires_grad=True)
+    out = packed.token_logprobs(logits, temperature=0.5)
+    flat = torch.log_softmax(logits.detach().reshape(-1, vocab) / 0.5, dim=-1)
+    width = ids.shape[1]
+    for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
+        b, t = divmod(target, width)
+        assert torch.isclose(out[b, t], flat[predictor, ids[b, t]])
+    assert (out[~mask.bool()] == 0).all()
+    out.sum().backward()
+    touched = logits.grad.abs().sum(dim=-1).view(-1) > 0
+    assert set(touched.nonzero().view(-1).tolist()) == set(packed.predictors.tolist())
+    entropy = packed.token_entropy(logits.detach(), temperature=0.5)
+    for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
+        b, t = divmod(target, width)
+        assert torch.isclose(entropy[b, t], -(flat[predictor].exp() * flat[predictor]).sum(), atol=1e-5)
+
+
+def test_rows_without_responses_stand_alone():
+    ids, mask, positions, response = _batch([[5, 6], [5, 6]], [[7], []])
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1)
+    held = packed.input_ids[packed.input_ids != -1].tolist()
+    assert sorted(held) == [5, 5, 6, 6, 7]  # the prompt-only row is not merged into the other's item

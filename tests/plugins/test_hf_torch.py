@@ -275,14 +275,14 @@ def test_data_parallel_ranks_take_the_whole_batch_update(rollout, tiny_model_pat
 
 
 def test_packed_rows_give_the_padded_logprobs_and_update(make_spec, rollout, tiny_model_path):
-    """The trainer's forward on packed rows (``relax.algo.packing``) gives the log-probs, loss,
-    gradient norm and update of the padded rows, on fewer token slots."""
+    """The trainer's forward on packed rows (``relax.algo.packing``: no padding, each prompt once
+    for its samples) gives the log-probs, loss, gradient norm and update of the padded rows."""
     from relax.algo.packing import pack_rows
 
     spec = make_spec({"roles.actor.micro_batch_size": 64, "roles.actor.optimizer": {"name": "sgd", "lr": 1.0}})
     batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=12), rollout.pad_token_id)
-    packed_rows = pack_rows(batch.input_ids, batch.attention_mask, batch.position_ids)
-    assert packed_rows.input_ids.numel() < batch.input_ids.numel()
+    packed_rows = pack_rows(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask)
+    assert packed_rows.slots < batch.input_ids.numel()
     packed, padded = _trainer(spec, tiny_model_path), _trainer(spec, tiny_model_path, pack_sequences=False)
     mask = batch.response_mask.bool()
     assert (packed.compute_logprobs(batch) - padded.compute_logprobs(batch))[mask].abs().max() < 1e-5
@@ -295,18 +295,20 @@ def test_packed_rows_give_the_padded_logprobs_and_update(make_spec, rollout, tin
 
 
 def test_a_model_whose_attention_ignores_packing_keeps_padded_rows(spec, rollout, tiny_model_path):
-    """A model that would attend across packed sequences (here: one that always builds its own
-    all-ones mask, so it never sees the position restarts) fails the one-time check and the trainer
-    keeps padded rows, with the right log-probs."""
+    """A model whose attention ignores an explicit mask (here: one that drops 4D masks, so it
+    would attend across the packed samples) fails the one-time check, and the trainer keeps padded
+    rows with the right log-probs."""
     trainer = _trainer(spec, tiny_model_path)
+    padded = _trainer(spec, tiny_model_path, pack_sequences=False)
     forward = trainer.model.forward
 
     def blind(input_ids=None, attention_mask=None, **kwargs):
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
         return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     trainer.model.forward = blind
     batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=13), rollout.pad_token_id)
-    assert _max_diff(batch, trainer.compute_logprobs(batch)) < 1e-5
+    mask = batch.response_mask.bool()
+    assert (trainer.compute_logprobs(batch) - padded.compute_logprobs(batch))[mask].abs().max() < 1e-5
     assert trainer._pack is False
