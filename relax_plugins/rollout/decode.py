@@ -52,9 +52,10 @@ def supports(model: Any) -> bool:
 
 def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
            top_k: int, stop_ids: list[int], pad_id: int, suppressed: list[int] | None = None,
-           share_prompts: bool = True, pause: Callable[[list[bool]], bool] | None = None) -> Sampled:
+           share_prompts: bool = True, pause: Callable[[list[bool]], bool] | None = None,
+           generator: torch.Generator | None = None) -> Sampled:
     """Sample a response to every row of prompt tokens, row ``i`` up to ``budgets[i]`` tokens,
-    with the global torch RNG (seed it first for repeatable samples).
+    drawing from ``generator`` (default: the global torch RNG; seed either for repeatable samples).
 
     ``share_prompts`` prefills identical rows once (turn it off when something counts the rows of
     every forward call, e.g. a routing recorder). ``pause`` (partial rollouts) is asked after every
@@ -99,7 +100,7 @@ def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature
     for step in range(most):
         if drop.numel():
             logits.index_fill_(-1, drop, float("-inf"))
-        chosen, logp = _draw(logits, temperature, top_p, top_k)
+        chosen, logp = _draw(logits, temperature, top_p, top_k, generator)
         chosen = torch.where(live, chosen, pad_id)
         tokens[:, step] = chosen
         logprobs[:, step] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
@@ -122,7 +123,8 @@ def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature
                    logprobs=[row[:n] for row, n in zip(kept_lp, lengths.tolist())], finished=ended.tolist())
 
 
-def _draw(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and the log-probs ``[rows, vocab]`` of the distribution it was drawn from."""
     if temperature <= 0:
         return logits.argmax(-1), torch.log_softmax(logits, dim=-1)
@@ -139,7 +141,8 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) ->
         scores = scores.masked_fill(cut.scatter(-1, order, cut), float("-inf"))
     logp = torch.log_softmax(scores, dim=-1)
     cdf = logp.double().exp().cumsum(dim=-1)
-    draw = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+    draw = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device,
+                      generator=generator) * cdf[:, -1:]
     chosen = torch.searchsorted(cdf, draw, right=True).squeeze(-1)
     # A draw that rounds up to the total mass would pick past the end: take the last possible token.
     possible = vocab - 1 - (logp.flip(-1) > float("-inf")).int().argmax(-1)

@@ -132,22 +132,19 @@ class HFRollout:
             samples = [self.encoder(p, refs) for p, refs in zip(prompts, media)]
             encoded = [s.prompt_ids for s in samples]
         else:
-            encoded = [self.encode_prompt(p) for p in prompts]
+            encoded = self.prompts.encode_all(list(prompts))
         rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
         size = self.config.max_batch_size or max(1, len(rows))
         out: list[Generation] = []
         for part, start in enumerate(range(0, len(rows), size)):
             chunk = rows[start:start + size]
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(seed + part)
-                if self.device.type == "cuda":
-                    torch.cuda.manual_seed(seed + part)
+            with torch.no_grad():
                 extra = {}
                 if samples is not None:
                     from relax_plugins.processing import batch_media
 
                     extra = {k: v.to(self.device) for k, v in batch_media([samples[i] for i, _ in chunk]).items()}
-                out += self._generate_rows(chunk, sampling, extra)
+                out += self._generate_rows(chunk, sampling, seed + part, extra)
         return out
 
     def generate_tokens(self, prompts: list[Any], sampling: Any, seed: int,
@@ -179,11 +176,8 @@ class HFRollout:
             extra = {k: v.to(self.device) for k, v in batch_media([self._items(p.media) for p in prompts]).items()}
         budgets = [int(p.max_new_tokens or sampling.max_new_tokens) for p in prompts]
         rows = [(index, list(p.ids)) for index, p in enumerate(prompts)]
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed(seed)
-            return self._generate_rows(rows, sampling, extra, pause, budgets)
+        with torch.no_grad():
+            return self._generate_rows(rows, sampling, seed, extra, pause, budgets)
 
     def encode_text(self, text: str, refs: list[Any]) -> list[int]:
         """Rendered chat text with one media marker per reference, as the model reads it: ids with the
@@ -220,11 +214,14 @@ class HFRollout:
             **common,
         )
 
-    def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any,
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any, seed: int,
                        media_inputs: dict[str, Any] | None = None, pause: Any = None,
                        budgets: list[int] | None = None) -> list[Generation]:
         """One response per ``(prompt_index, prompt ids)`` row, row i within ``budgets[i]`` new
-        tokens (the sampling's ``max_new_tokens`` when not given)."""
+        tokens (the sampling's ``max_new_tokens`` when not given), drawn from ``seed`` (a generator
+        of its own: the process's global random state is left alone)."""
+        import torch
+
         budgets = budgets or [int(sampling.max_new_tokens)] * len(rows)
         recorder = None
         if self.context.record_routing:
@@ -238,9 +235,14 @@ class HFRollout:
                 sampled = sample(self.model, [ids for _, ids in rows], budgets,
                                  temperature=float(sampling.temperature), top_p=float(sampling.top_p),
                                  top_k=int(sampling.top_k), stop_ids=self.stop_token_ids, pad_id=self.pad_token_id,
-                                 suppressed=self.suppressed, share_prompts=recorder is None, pause=pause)
+                                 suppressed=self.suppressed, share_prompts=recorder is None, pause=pause,
+                                 generator=torch.Generator(self.device).manual_seed(seed))
             else:
-                sampled = self._sample_with_generate(rows, sampling, budgets, media_inputs or {}, pause)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    if self.device.type == "cuda":
+                        torch.cuda.manual_seed(seed)
+                    sampled = self._sample_with_generate(rows, sampling, budgets, media_inputs or {}, pause)
         routed = (recorder.per_row([len(t) for t in sampled.tokens]) if recorder is not None
                   else [None] * len(rows))
         generations = []
