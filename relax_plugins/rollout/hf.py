@@ -152,8 +152,7 @@ class HFRollout:
         """One response to each ``relax.contracts.TokenPrompt`` (a multi-turn trajectory's tokens so
         far, used as given: never re-tokenized or cut), in order, each within its own budget.
 
-        One ``generate`` call at the largest budget; a response is then cut to its own budget (a
-        prefix of a sample is a sample with the same log-probs). The media of each prompt are
+        All rows are sampled together, each stopping at its own budget. The media of each prompt are
         rebuilt from their references item by item (``processing.ItemEncoder``), as the trainer does.
 
         ``pause`` (partial rollouts) is asked after every generated token with each row's state

@@ -126,7 +126,7 @@ class TorchTrainer:
                 raise ValueError(f"algorithm.router_replay={self.router_replay} but {self.model_path} is a dense "
                                  "model (no MoE router); set algorithm.router_replay: off")
         self._replay_stats: dict[str, float] = {}
-        self._pack: bool | None = None if config.pack_sequences and self.encoder is None and not self.is_critic \
+        self._pack: bool | None = None if self.config.pack_sequences and self.encoder is None and not self.is_critic \
             else False
         """Whether policy forwards run on packed rows: None until checked on the first batch."""
 

@@ -312,3 +312,12 @@ def test_a_model_whose_attention_ignores_packing_keeps_padded_rows(spec, rollout
     mask = batch.response_mask.bool()
     assert (trainer.compute_logprobs(batch) - padded.compute_logprobs(batch))[mask].abs().max() < 1e-5
     assert trainer._pack is False
+
+
+def test_the_critic_trains_on_padded_rows(make_spec, rollout, tiny_model_path):
+    """The critic (a value head) never packs: its values are read per padded column."""
+    spec = make_spec({"algorithm.name": "ppo", "roles.critic": {"backend": "torch"}})
+    critic = _trainer(spec, tiny_model_path, role="critic")
+    assert critic._pack is False
+    batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=14), rollout.pad_token_id)
+    assert critic.compute_values(batch).shape == batch.input_ids.shape
