@@ -97,3 +97,14 @@ def test_rows_without_responses_stand_alone():
     packed = pack_rows(ids, mask, positions, response, pad_id=-1)
     held = packed.input_ids[packed.input_ids != -1].tolist()
     assert sorted(held) == [5, 5, 6, 6, 7]  # the prompt-only row is not merged into the other's item
+
+
+def test_long_rows_are_not_packed_wider_than_the_cap():
+    from relax.algo.packing import WIDEST_DEFAULT
+
+    long = list(range(1, 3001))
+    ids, mask, positions, response = _batch([[7], [8], [9]], [long, long[:2500], long[:100]])
+    packed = pack_rows(ids, mask, positions, response)
+    assert packed.input_ids.shape[1] == max(WIDEST_DEFAULT, 3001)  # not twice the longest row
+    ids, mask, positions, response = _batch([[7]], [list(range(1, 5001))])
+    assert pack_rows(ids, mask, positions, response).input_ids.shape[1] == 5001  # one row wider than the cap
