@@ -115,7 +115,9 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     capacity = max(int(capacity or min(max(2 * longest, 64), WIDEST_DEFAULT)), longest, 1)
 
     # Items: a prompt and the responses of its samples (rows of the same prompt tokens).
-    _, group = torch.unique(input_ids[:, :boundary] * real[:, :boundary], dim=0, return_inverse=True)
+    # A prompt's key is its tokens with -1 for padding (a pad id may also be a real token).
+    key = torch.where(real[:, :boundary], input_ids[:, :boundary], -1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
     p_len, r_len, groups = prompt_len.tolist(), response_len.tolist(), group.tolist()
     members: dict[int, list[int]] = {}
     for row in range(rows):

@@ -108,3 +108,13 @@ def test_long_rows_are_not_packed_wider_than_the_cap():
     assert packed.input_ids.shape[1] == max(WIDEST_DEFAULT, 3001)  # not twice the longest row
     ids, mask, positions, response = _batch([[7]], [list(range(1, 5001))])
     assert pack_rows(ids, mask, positions, response).input_ids.shape[1] == 5001  # one row wider than the cap
+
+
+def test_a_prompt_that_differs_only_by_a_pad_id_token_is_not_shared():
+    ids, mask, positions, response = _batch([[0, 5], [5]], [[7], [8]], pad_id=0)  # token 0 is also the pad id
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1)
+    held = packed.input_ids[packed.input_ids != -1].tolist()
+    assert sorted(held) == [0, 5, 5, 7, 8]
+    for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
+        b, t = divmod(target, ids.shape[1])
+        assert _visible(packed, predictor) == ids[b][mask[b].bool()][:positions[b, t - 1] + 1].tolist()
