@@ -50,7 +50,7 @@ def test_collective_and_object_store_train_the_same_steps(runs) -> None:
 def test_a_replica_added_mid_run_opens_its_own_group_and_pulls(tmp_path) -> None:
     from relax.testing import FAULT_TEST_OVERRIDES, LiveRun
 
-    steps = 80  # long enough for the new replica to start and take units
+    steps = 300  # long enough for the new replica to start and take units (80 steps now end before it starts)
     run = LiveRun(tmp_path, "scale-collective", *FAULT_TEST_OVERRIDES, f"trainer.steps={steps}",
                   "roles.rollout.max_replicas=2", "roles.rollout.weight_sync=collective").start()
     run.wait_rows(2)
