@@ -144,7 +144,8 @@ class LiveRun:
                 break
         return rows
 
-    def _until(self, what: str, check: Any, timeout_s: float) -> Any:
+    def until(self, what: str, check: Any, timeout_s: float) -> Any:
+        """Poll ``check()`` until it returns something true (returned); fails if the run ends first."""
         import time
 
         deadline = time.monotonic() + timeout_s
@@ -158,7 +159,7 @@ class LiveRun:
 
     def wait_rows(self, n: int, timeout_s: float = 300) -> list[dict[str, Any]]:
         """Block until metrics.jsonl has ``n`` step rows."""
-        return self._until(f"{n} step rows", lambda: len(self.rows()) >= n and self.rows(), timeout_s)
+        return self.until(f"{n} step rows", lambda: len(self.rows()) >= n and self.rows(), timeout_s)
 
     def status(self, timeout_s: float = 120) -> dict[str, Any]:
         """The controller's ``GET /status`` (waits for the controller to be up)."""
@@ -170,11 +171,11 @@ class LiveRun:
             except ControlError:
                 return None
 
-        return self._until("a controller answering /status", ask, timeout_s)
+        return self.until("a controller answering /status", ask, timeout_s)
 
     def worker(self, role: str) -> dict[str, Any]:
         """The first worker hosting ``role``, as ``/status`` describes it (holder, pid, node)."""
-        return self._until(f"a ready worker hosting {role}", lambda: next(
+        return self.until(f"a ready worker hosting {role}", lambda: next(
             (w for w in self.status()["workers"] if role in w["roles"] and w["pid"]), None), 120)
 
     def signal_worker(self, role: str, signal: int) -> dict[str, Any]:

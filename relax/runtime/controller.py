@@ -32,6 +32,7 @@ from relax.roles import Role
 from relax.runtime.checkpoint import resume_checkpoint
 from relax.runtime.deploy import Deployment, Slot, alive_nodes
 from relax.runtime.elastic import Elastic, ScaleRequest
+from relax.runtime.evaluation import evaluations_for_row
 from relax.runtime.metrics import MetricsLog, Progress, mismatch_alarm, step_row
 from relax.runtime.records import SampleCounters
 from relax.runtime.run_state import partition_of
@@ -262,6 +263,9 @@ class Controller(Deployment, Supervision, Elastic):
         names = [name for worker in self.plan.workers for loop in worker.roles for name in loop.reports]
         last_end = time.time()
         supervised = 0.0
+        # Evaluations of versions newer than the row being written: the controller may lag the
+        # workers (it was restarting one), so a step's reports can carry a later version's.
+        early: list[dict[str, float]] = []
         for step in range(start, self.settings.steps):
             while True:
                 # Supervise at least every SUPERVISE_S, also while steps keep arriving.
@@ -276,8 +280,10 @@ class Controller(Deployment, Supervision, Elastic):
             if self.bus is not None:
                 self.bus.clear_soon(partition_of(step))
             reports, self._counters, evals = reports  # RunState forgot the step's signals and units meanwhile
-            if step + 1 == self.settings.steps and self.settings.evaluation is not None:
-                evals += self._final_evaluation(evals)
+            evals, early = evaluations_for_row([*early, *evals], step + 1)
+            if step + 1 == self.settings.steps and self.settings.evaluation is not None \
+                    and not any(e["eval/version"] >= self.settings.steps for e in evals):
+                evals += self._final_evaluation()
             self._consumed += reports[Role.actor].get("samples", 0)
             end = reports[Role.actor]["end_time"]
             row = step_row(step + 1, reports, end - last_end)
@@ -300,11 +306,11 @@ class Controller(Deployment, Supervision, Elastic):
             self.step_metrics.export(row)
             self._mismatch_stop(row)
 
-    def _final_evaluation(self, taken: list[dict[str, float]]) -> list[dict[str, float]]:
+    def _final_evaluation(self) -> list[dict[str, float]]:
         """Wait (supervising the workers) until the rollout posted its evaluation of the final
         policy version, which it starts once the actor published it (``RolloutLoop.finish``)."""
         steps, got = self.settings.steps, []
-        while not any(e["eval/version"] >= steps for e in [*taken, *got]):
+        while not any(e["eval/version"] >= steps for e in got):
             self._supervise()
             got += self._control(self.state.wait_eval.remote(steps, SUPERVISE_S))
         return got

@@ -51,6 +51,15 @@ def yield_cpu_to_training() -> None:
     os.nice(19 - os.nice(0))
 
 
+def evaluations_for_row(evals: list[dict[str, float]], row: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Split the evaluations the controller holds into those metrics row ``row`` takes (of versions
+    up to ``row``) and those of newer versions, kept for their own rows: an evaluation goes into the
+    row of the step that made its version or a later one. The controller can lag the workers (while
+    it restarts one), so one step's reports may already carry a later version's evaluation, the
+    final one included."""
+    return ([e for e in evals if e["eval/version"] <= row], [e for e in evals if e["eval/version"] > row])
+
+
 def pass_at_k(n: int, passed: int, k: int) -> float:
     """The chance that at least one of ``k`` responses drawn without replacement from ``n``, of
     which ``passed`` pass, passes: ``1 - C(n - passed, k) / C(n, k)`` (unbiased for pass@k)."""

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from relax.runtime.deploy import Slot, alive_nodes
-from relax.runtime.records import RoleFailure, RunStatus
+from relax.runtime.records import Beat, RoleFailure, RunStatus
 
 #: How often the controller looks at its workers (ended tasks, heartbeats, scale requests).
 SUPERVISE_S = 0.5
@@ -93,10 +93,11 @@ class Supervision:
                 elif result.get("stopped"):
                     raise RunFailed(f"{slot.holder} was stopped before the run ended")
         status: RunStatus = self._control(self.state.status.remote())
+        beats = self._control(self.state.health.remote())
         if status.stalled_s > self.faults.wait_timeout_s:
             raise RunFailed(f"nothing moved in the run for {status.stalled_s:.0f} s (fault_tolerance.wait_timeout_s) "
-                            "while every worker looked alive; a role waits on something no one will provide")
-        beats = self._control(self.state.health.remote())
+                            "while every worker looked alive; a role waits on something no one will provide. "
+                            f"Last seen: {waits_text(beats)}")
         watched = {slot.holder: slot.ready_at for slot in self._slots if slot.task is not None}
         for verdict in hung_workers(beats, watched, time.time(), self.faults.heartbeat_timeout_s,
                                     self.faults.progress_timeout_s):
@@ -196,6 +197,11 @@ class Supervision:
         self._begin(slot, resumed)
         if slot.draining:  # it was leaving when it failed: it still is
             self._control(self.state.drain.remote(slot.holder))
+
+
+def waits_text(beats: dict[str, Beat]) -> str:
+    """What each worker's last heartbeat said it was doing, for a stalled run's report."""
+    return "; ".join(f"{holder}: {beat.activity or 'idle'}" for holder, beat in sorted(beats.items())) or "no heartbeats"
 
 
 def _cause(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax.runtime.evaluation import Evaluator, eval_metrics, k_values, pass_at_k
+from relax.runtime.evaluation import Evaluator, eval_metrics, evaluations_for_row, k_values, pass_at_k
 from relax.spec.models import EvalSpec
 
 
@@ -132,3 +132,15 @@ def test_a_resumed_run_does_not_evaluate_again_what_its_kept_rows_evaluated(tmp_
     state.post_eval({"eval/version": 8.0})
     assert state.evaluated() == [0, 4, 8]
     assert MetricsLog(tmp_path, resume_step=None).evaluated_versions() == []  # a new run starts clean
+
+
+def test_a_lagging_controller_keeps_a_later_versions_evaluation_for_that_versions_row():
+    """The controller was restarting a worker while the run went on: the reports of step 9 (of 10)
+    already carry the evaluation of the final version 10. Row 9 takes the evaluation of v8 only;
+    v10's waits for row 10, the last row, which therefore needs no further wait."""
+    v8, v10 = {"eval/version": 8.0}, {"eval/version": 10.0}
+    now, later = evaluations_for_row([v8, v10], 9)
+    assert now == [v8] and later == [v10]
+    now, later = evaluations_for_row([*later], 10)
+    assert now == [v10] and later == []
+    assert evaluations_for_row([], 3) == ([], [])

@@ -83,6 +83,9 @@ def test_a_killed_evaluation_worker_restarts_in_place_and_training_is_untouched(
 
     evaluation = ("data.eval={source: 'synthetic:arithmetic', options: {size: 8, seed: 1}}", "trainer.eval_every=2")
     run = LiveRun(tmp_path, "kill-evaluation", *FAULTS, *evaluation).start()
+    # Killed once it evaluated v0 (a version lost with its worker is not evaluated again: the object
+    # store keeps the newest weights only) and while training goes on.
+    run.until("the evaluation of v0", lambda: any("eval/version" in r for r in run.rows()), 300)
     run.wait_rows(2)
     [worker] = [w for w in run.status()["workers"] if w["holder"] == "evaluation" and w["pid"]]
     os.kill(worker["pid"], signal.SIGKILL)

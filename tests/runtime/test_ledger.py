@@ -11,6 +11,7 @@ from relax.runtime.ledger import RolloutLedger
 from relax.runtime.records import Beat
 from relax.runtime.role_env import accepted_rows
 from relax.runtime.rows import relayout, restack
+from relax.runtime.supervision import waits_text
 
 
 def test_units_are_leased_in_order_within_the_staleness_admission() -> None:
@@ -68,6 +69,13 @@ def test_hung_workers_are_the_silent_and_the_stuck_not_the_waiting() -> None:
     verdicts = {v.holder: v.reason for v in hung_workers(beats, watched, now, 10, 600)}
     assert set(verdicts) == {"silent", "stuck", "never-beat"}
     assert "no heartbeat" in verdicts["silent"] and "rollout generates step 3" in verdicts["stuck"]
+
+
+def test_a_stalled_run_names_what_each_worker_last_said_it_did() -> None:
+    beats = {"rollout": Beat(at=1.0, activity="wait_version(10,)", busy_since=None),
+             "actor": Beat(at=1.0, activity="", busy_since=None)}
+    assert waits_text(beats) == "actor: idle; rollout: wait_version(10,)"
+    assert waits_text({}) == "no heartbeats"
 
 
 def test_ragged_rows_of_several_units_are_laid_out_like_one_dense_batch() -> None:
