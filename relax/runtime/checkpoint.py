@@ -174,13 +174,25 @@ def last_metrics_step(output_dir: Path) -> int | None:
     path = output_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            last = int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return last
+    # Read from the end, a growing tail at a time: the actor asks at every checkpoint, and a long
+    # run's file holds a row per step (parsing all of it made each save slower than the last).
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail = 1 << 16
+        while True:
+            start = max(0, size - tail)
+            f.seek(start)
+            lines = f.read(size - start).split(b"\n")
+            if start > 0:
+                lines = lines[1:]  # may begin mid-row
+            for line in reversed(lines):
+                try:
+                    return int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+            if start == 0:
+                return None
+            tail *= 4
 
 
 def restore_rng(path: Path) -> None:

@@ -40,3 +40,18 @@ def test_without_a_covered_checkpoint_none_unless_there_are_no_metrics(tmp_path:
     folder = make_run(tmp_path / "d", checkpoints=[2, 6], rows=[])
     (folder / "metrics.jsonl").unlink()
     assert resume_checkpoint(folder)[0] == 6
+
+
+def test_the_last_row_is_found_from_the_end_of_a_long_file(tmp_path: Path) -> None:
+    """Rows far longer than the first tail read, a torn last row and garbage before the rows: the
+    step is the last complete row's, as a full parse would say."""
+    from relax.runtime.checkpoint import last_metrics_step
+
+    pad = "x" * 50_000
+    rows = "".join(json.dumps({"step": s, "pad": pad}) + "\n" for s in range(1, 9))
+    (tmp_path / "metrics.jsonl").write_text("not json\n" + rows + '{"step": 9, "pad": "' + pad)
+    assert last_metrics_step(tmp_path) == 8
+    (tmp_path / "metrics.jsonl").write_text("not json\n" + '{"pad": 1}\n' + "x" * 300_000)
+    assert last_metrics_step(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}')
+    assert last_metrics_step(tmp_path) == 3
