@@ -32,6 +32,8 @@ class Slot:
     ready_at: float = 0.0
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """The other ranks of its multi-process model roles: rank, pid, node, GPU ids."""
+    shares_policy_model: bool = False
+    """Its rollout generates with its actor's own model (colocate: ``share_policy_model``)."""
     group: Any = None
     """A placement group of its own (a replica added by scaling, or re-placed after a node loss)."""
     draining: bool = False
@@ -72,6 +74,7 @@ class Slot:
         self.node, self.pid, self.ready_at = info["node"], info["pid"], time.time()
         self.placement_group = info.get("placement_group")
         self.ranks = info.get("ranks", {})
+        self.shares_policy_model = bool(info.get("shares_policy_model"))
 
 
 
@@ -144,7 +147,7 @@ class Deployment:
                  "bundle": slot.instance.bundles[0], "node": slot.instance.node,
                  "ray_node": slot.node, "pid": slot.pid, "placement_group": slot.placement_group,
                  "placement_group_pool": groups.get(slot.placement_group or ""),
-                 "moved": slot.group is not None,
+                 "moved": slot.group is not None, "shares_policy_model": slot.shares_policy_model,
                  "ranks": {role: [{"rank": r["rank"], "ray_node": r["node"], "gpus": r["gpus"]} for r in ranks]
                            for role, ranks in slot.ranks.items()}}
                 for slot in self._slots]

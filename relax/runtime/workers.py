@@ -34,7 +34,7 @@ from relax.runtime.failure_class import repeats_on_retry
 from relax.runtime.scoring import RewardError
 from relax.runtime.records import RoleFailure
 from relax.runtime.startup import InBackground
-from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights
+from relax.runtime.weight_channels import CollectiveWeights, InProcessWeights, ObjectStoreWeights, share_policy_model
 from relax.plan.model import RolloutWork, RunSettings, WorkerPlan
 from relax.telemetry import Telemetry
 
@@ -117,6 +117,8 @@ class RoleWorker:
         from transformers.utils import logging as hf_logging
 
         plan, settings, holder = launch.worker, launch.settings, launch.name
+        self.shares_policy_model = False
+        """The rollout here generates with the actor's own model (``share_policy_model``)."""
         hf_logging.disable_progress_bar()
         self.roles = [Role(r) for r in plan.role_names]
         self.state = state
@@ -158,6 +160,8 @@ class RoleWorker:
             incoming = (shared if channel == "in-process" else
                         CollectiveWeights(self.env) if channel == "collective" else ObjectStoreWeights(self.env))
             rollout = RolloutLoop(self.env, rollout_wiring, incoming)
+            if shared is not None and actor is not None:  # colocate: one model for both, when they can
+                self.shares_policy_model = share_policy_model(shared, actor.trainer, rollout.backend)
         reward = RewardLoop(self.env, loops[Role.reward]) if Role.reward in loops else None
         advantage = AdvantageLoop(self.env, loops[Role.advantage]) if Role.advantage in loops else None
         reference = ForwardLoop(self.env, loops[Role.reference]) if Role.reference in loops else None
@@ -200,7 +204,8 @@ class RoleWorker:
         return {"roles": self.roles, "pid": os.getpid(), "node": context.get_node_id(),
                 "placement_group": context.get_placement_group_id(),
                 "gpus": ray.get_gpu_ids(), "threads": torch.get_num_threads(),
-                "ranks": {role: backend.placed for role, backend in self._ranked().items()}}
+                "ranks": {role: backend.placed for role, backend in self._ranked().items()},
+                "shares_policy_model": self.shares_policy_model}
 
     def _ranked(self) -> dict[str, RankedTrainer]:
         """The model roles hosted here that span several processes, by role."""

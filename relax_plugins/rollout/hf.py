@@ -104,6 +104,8 @@ class HFRollout:
         """The policy version of the weights held (0: the initial weights)."""
         self._recipient: Any = None
         """This rollout's end of a weight group, once joined (``roles.rollout.weight_sync: collective``)."""
+        self.shares_model = False
+        """Whether ``self.model`` is a trainer's (``adopt_model``): its weights are always current."""
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -222,6 +224,8 @@ class HFRollout:
         import torch
 
         budgets = budgets or [int(sampling.max_new_tokens)] * len(rows)
+        if self.model.training:  # a trainer's model (``adopt_model``) it left in training mode
+            self.model.eval()
         recorder = None
         if self.context.record_routing:
             from relax_plugins.moe_routing import GenerationRouting
@@ -303,11 +307,39 @@ class HFRollout:
 
     def load_weights(self, weights: dict[str, Any], version: int) -> None:
         """Replace the weights in place with a full HF ``state_dict`` (a tied ``lm_head.weight``
-        may be absent) and record their policy ``version``."""
+        may be absent) and record their policy ``version``. With the trainer's model adopted
+        (``adopt_model``) the weights are already the trainer's: an empty dict only moves the
+        version."""
         from relax_plugins.hf_weights import load_state
 
+        if self.shares_model and not weights:
+            self.version = int(version)
+            return
         load_state(self.model, weights)
         self.version = int(version)
+
+    def adopt_model(self, model: Any) -> bool:
+        """Generate with ``model``, a trainer's model in this process, instead of this backend's
+        own copy (colocate mode, ``relax.runtime.weight_channels.share_policy_model``): no weight
+        copy per step and one copy of the weights in memory instead of three (the trainer's, the
+        handed-over snapshot, this backend's). Taken only when it is the same kind of model, of
+        the same configuration, dtype and device; returns whether it was taken."""
+        import torch
+
+        own = self.model
+        if model is own or type(model) is not type(own) or model.config.to_dict() != own.config.to_dict():
+            return False
+        first = next(model.parameters(), None)
+        if first is None or first.dtype != next(own.parameters()).dtype or first.device != self.device:
+            return False
+        if self.context.record_routing or self._recipient is not None:
+            return False  # routing capture hooks this model per generation; a weight group fills its own
+        self.model = model
+        self.shares_model = True
+        if self.device.type == "cuda":
+            del own
+            torch.cuda.empty_cache()
+        return True
 
     def join_weight_group(self, address: dict[str, Any]) -> None:
         """Join a weight group as its rank 1 (the group forms once the sender sends its first round)."""

@@ -393,6 +393,12 @@ class TorchTrainer:
 
     # -- weights and checkpoints -------------------------------------------------------------------
 
+    def shareable_model(self) -> Any:
+        """The policy model, for a rollout in this process to generate with directly (colocate
+        mode: ``relax.runtime.weight_channels.share_policy_model``); None for a critic, whose
+        model is no policy."""
+        return None if self.is_critic else self.model
+
     def weights(self) -> dict[str, Any]:
         """The full HF ``state_dict`` (a tied ``lm_head.weight`` included) as detached clones."""
         from relax_plugins.hf_weights import state_copy

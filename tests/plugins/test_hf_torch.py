@@ -321,3 +321,46 @@ def test_the_critic_trains_on_padded_rows(make_spec, rollout, tiny_model_path):
     assert critic._pack is False
     batch = _batch(rollout.generate(PROMPTS, N, spec.roles.rollout.sampling, seed=14), rollout.pad_token_id)
     assert critic.compute_values(batch).shape == batch.input_ids.shape
+
+
+def test_a_colocated_rollout_generates_with_the_trainers_own_model(make_spec, spec, tiny_model_path):
+    """Colocate (``share_policy_model``): the rollout takes the trainer's model instead of its own
+    copy. After a train step, publishing moves only the version, and the rollout's samples are
+    those of a rollout loaded with the trained weights (same tokens, same log-probs)."""
+    from relax.runtime.weight_channels import InProcessWeights, share_policy_model
+
+    trainer, sharing, copy = _trainer(spec, tiny_model_path), _rollout(spec, tiny_model_path), _rollout(spec, tiny_model_path)
+    channel = InProcessWeights()
+    channel.publish(0, trainer.weights())
+    assert share_policy_model(channel, trainer, sharing)
+    assert sharing.model is trainer.model and channel.weights == {}
+    sampling = spec.roles.rollout.sampling
+    trainer.train_step(_batch(sharing.generate(PROMPTS, N, sampling, seed=1), sharing.pad_token_id))
+    channel.publish(1, trainer.weights())
+    version, weights = channel.wait(1, held=sharing.version)
+    assert (version, weights) == (1, {})  # no snapshot travels
+    sharing.load_weights(weights, version)
+    copy.load_weights(trainer.weights(), 1)
+    trainer.model.train()  # left in training mode: the rollout samples in eval mode all the same
+    shared_gens, copied_gens = (r.generate(PROMPTS, N, sampling, seed=2) for r in (sharing, copy))
+    assert sharing.version == 1
+    assert [(g.response_ids, g.logprobs) for g in shared_gens] == [(g.response_ids, g.logprobs) for g in copied_gens]
+    # a full state dict still loads (a resume's weights), into the one shared model
+    sharing.load_weights(copy.model.state_dict(), 2)
+    assert sharing.version == 2
+
+
+def test_a_model_of_another_kind_or_dtype_is_not_shared(make_spec, spec, tiny_model_path):
+    from relax.runtime.weight_channels import InProcessWeights, share_policy_model
+
+    critic_spec = make_spec({"algorithm.name": "ppo", "roles.critic": {"backend": "torch"}})
+    critic = _trainer(critic_spec, tiny_model_path, role="critic")
+    assert critic.shareable_model() is None
+    rollout = _rollout(spec, tiny_model_path)
+    channel = InProcessWeights()
+    assert not share_policy_model(channel, critic, rollout) and not channel.shares_model
+    trainer = _trainer(spec, tiny_model_path)
+    trainer.model.to(torch.float64)
+    own = rollout.model
+    assert not share_policy_model(channel, trainer, rollout)
+    assert rollout.model is own and not rollout.shares_model

@@ -59,7 +59,13 @@ def test_async_modes_use_their_slack(mode_runs) -> None:
 
 
 def test_separate_on_policy_matches_colocate_step_by_step(mode_runs) -> None:
+    """Colocated, the rollout generates with the actor's own model (no weight copies); apart, it
+    loads each version from the object store: the same samples and updates either way."""
     colocate, separate = mode_runs[("colocate", 0)][1], mode_runs[("separate", 0)][1]
+    workers = {mode: json.loads((mode_runs[(mode, 0)][3] / "workers.json").read_text())
+               for mode in ("colocate", "separate")}
+    assert [w["shares_policy_model"] for w in workers["colocate"]] == [True]
+    assert not any(w["shares_policy_model"] for w in workers["separate"])
     assert [r["data/order"] for r in colocate] == [r["data/order"] for r in separate]
     assert [r["reward/mean"] for r in colocate] == [r["reward/mean"] for r in separate]
     for a, b in zip(colocate, separate):

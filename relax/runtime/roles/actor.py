@@ -46,7 +46,13 @@ class ActorLoop:
         if resume_from is not None:
             self.trainer.load(str(resume_from / "trainer"))
         self.version = start_step
-        self.weights.publish(start_step, self.trainer.weights())
+        self.publish()
+
+    def publish(self) -> None:
+        """Publish the held version; no snapshot of the weights when the rollout generates with the
+        trainer's own model (``share_policy_model``)."""
+        shared = getattr(self.weights, "shares_model", False)
+        self.weights.publish(self.version, {} if shared else self.trainer.weights())
 
     def hand(self, step: int, columns: dict[str, Any], meta: list[dict[str, Any]]) -> None:
         """A step's rows from the rollout (scored, with advantages) in this process: kept for
@@ -110,7 +116,7 @@ class ActorLoop:
         t3 = time.perf_counter()
         self.version = step + 1
         with tel.span(WEIGHT_SYNC, step=step, role=Role.actor, policy_version=self.version):
-            self.weights.publish(self.version, self.trainer.weights())
+            self.publish()
             if self.version == settings.steps:
                 self.weights.settle()  # the last version is out before the step is reported
         t4 = time.perf_counter()
