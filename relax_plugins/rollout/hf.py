@@ -330,7 +330,7 @@ class HFRollout:
         if model is own or type(model) is not type(own) or model.config.to_dict() != own.config.to_dict():
             return False
         first = next(model.parameters(), None)
-        if first is None or first.dtype != next(own.parameters()).dtype or first.device != self.device:
+        if first is None or first.dtype != next(own.parameters()).dtype or not same_device(first.device, self.device):
             return False
         if self.context.record_routing or self._recipient is not None:
             return False  # routing capture hooks this model per generation; a weight group fills its own
@@ -394,6 +394,18 @@ class _PauseAt:
                 return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
         return StoppingCriteriaList([Criterion()])
+
+
+def same_device(held: Any, wanted: Any) -> bool:
+    """Whether a tensor on ``held`` is on device ``wanted``; a device without an index (``cuda``)
+    stands for the current one (``cuda:0`` by default)."""
+    import torch
+
+    if held.type != wanted.type:
+        return False
+    if wanted.index is None and wanted.type == "cuda":
+        return held.index == torch.cuda.current_device()
+    return wanted.index is None or held.index == wanted.index
 
 
 def end_and_pad_ids(tokenizer: Any, model_path: str) -> tuple[int, int]:

@@ -364,3 +364,12 @@ def test_a_model_of_another_kind_or_dtype_is_not_shared(make_spec, spec, tiny_mo
     own = rollout.model
     assert not share_policy_model(channel, trainer, rollout)
     assert rollout.model is own and not rollout.shares_model
+
+
+def test_same_device_matches_indexed_devices_and_tells_kinds_apart():
+    from relax_plugins.rollout.hf import same_device
+
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert same_device(cpu, torch.device("cpu")) and same_device(cuda1, torch.device("cuda:1"))
+    assert not same_device(cpu, torch.device("cuda")) and not same_device(cuda0, cuda1)
+    assert not same_device(cuda0, cpu)
