@@ -46,7 +46,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--gpu-memory", type=float, default=0.3,
                         help="share of the GPU the vLLM engine takes (weights + KV cache)")
+    parser.add_argument("--pairs", default="vllm-megatron,hf-torch",
+                        help="rollout-trainer pairs to run, comma-separated (a machine without the CUDA builds "
+                             "of vLLM and megatron-core can still run hf-torch)")
     args = parser.parse_args()
+    pairs = [tuple(p.strip().split("-", 1)) for p in args.pairs.split(",") if p.strip()]
+    known = {("vllm", "megatron"), ("hf", "torch"), ("vllm", "torch"), ("hf", "megatron")}
+    if not pairs or any(p not in known for p in pairs):
+        parser.error(f"--pairs {args.pairs!r}: each pair is rollout-trainer, one of "
+                     f"{', '.join(sorted('-'.join(k) for k in known))}")
     import torch
 
     if not torch.cuda.is_available():
@@ -61,7 +69,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ray.init(address="local", num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
         try:
-            for rollout, actor in (("vllm", "megatron"), ("hf", "torch")):
+            for rollout, actor in pairs:
                 started = time.perf_counter()
                 code, rows, printed = tiny_run(Path(tmp), f"{rollout}-{actor}",
                                                *gpu_overrides(rollout, actor, args.gpu_memory, args.steps))
@@ -74,9 +82,10 @@ def main() -> int:
     for (rollout, actor), r in results.items():
         print(f"{rollout:>5} + {actor:<8}  {r['steps_per_s']:6.2f} steps/s  {r['tokens_per_s']:9.0f} tokens/s  "
               f"reward(last 5) {r['final_reward']:.2f}  wall {r['wall_s']:.0f} s")
-    fast, base = results[("vllm", "megatron")], results[("hf", "torch")]
-    print(f"vllm+megatron / hf+torch: {fast['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "
-          f"{fast['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s")
+    if {("vllm", "megatron"), ("hf", "torch")} <= results.keys():
+        fast, base = results[("vllm", "megatron")], results[("hf", "torch")]
+        print(f"vllm+megatron / hf+torch: {fast['steps_per_s'] / base['steps_per_s']:.2f}x steps/s, "
+              f"{fast['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s")
     return 0
 
 

@@ -209,13 +209,22 @@ def _init_ray(spec: RunSpec) -> bool:
         # one Ray hands the actors the worker processes it prestarts (each saves a Python start and
         # `import ray`); a worker setup hook does need one.
         with _loopback_node(), lean_head_node(), temporarily_set(EMBEDDED_RAY_ENV):
-            ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=0, include_dashboard=False,
+            ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=embedded_ray_gpus(spec),
+                     include_dashboard=False,
                      logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None,
                      _node_ip_address=LOOPBACK)
         _check_loopback()
         return True
     ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=_runtime_env(hook))
     return False
+
+
+def embedded_ray_gpus(spec: RunSpec) -> int | None:
+    """The GPUs an embedded Ray offers: none for a CPU spec, so a CPU run on a GPU machine leaves the
+    GPUs alone; for a spec that asks for GPUs, ``None``: Ray counts this machine's own, and
+    ``cluster_nodes`` then says plainly when there are fewer than ``cluster.gpus_per_node``. (A
+    fixed 0 here once made every GPU spec fail placement on a one-machine run without a cluster.)"""
+    return None if spec.cluster.gpus_per_node > 0 else 0
 
 
 #: Ray's head-node processes that an embedded run never uses (``lean_head_node``).

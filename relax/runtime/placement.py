@@ -33,13 +33,20 @@ def cluster_nodes(plan: Plan) -> list[str]:
     with_gpus = [n for n in alive if n.get("Resources", {}).get("GPU", 0) >= 1]
     if len(with_gpus) < plan.nodes:
         raise PlacementError(f"the plan needs {plan.nodes} node(s) with {plan.gpus_per_node} GPU(s) each, but the "
-                             f"Ray cluster has {len(with_gpus)} node(s) with GPUs; start more nodes or lower "
-                             "cluster.nodes")
+                             f"Ray cluster has {len(with_gpus)} node(s) with GPUs ({_gpus_seen(alive)}); start more "
+                             "nodes, or lower cluster.nodes, or set cluster.gpus_per_node=0 and the roles' gpus "
+                             "to 0 to run on CPU")
     for n in with_gpus[: plan.nodes]:
         if n["Resources"]["GPU"] < plan.gpus_per_node:
             raise PlacementError(f"node {n['NodeID'][:12]} has {int(n['Resources']['GPU'])} GPUs; the plan assumes "
                                  f"cluster.gpus_per_node={plan.gpus_per_node}")
     return [n["NodeID"] for n in with_gpus[: plan.nodes]]
+
+
+def _gpus_seen(alive: list[dict]) -> str:
+    """What Ray sees, for a placement error: ``GPUs per node: 0`` or ``GPUs per node: 8, 8``."""
+    counts = ", ".join(str(int(n.get("Resources", {}).get("GPU", 0))) for n in alive)
+    return f"GPUs per node: {counts or 'no nodes alive'}"
 
 
 @dataclass

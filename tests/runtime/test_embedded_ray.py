@@ -51,3 +51,13 @@ def test_an_embedded_ray_s_workers_run_without_task_events_or_unused_head_proces
     env = {k: v for k, v in os.environ.items() if k not in launch.EMBEDDED_RAY_ENV}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+
+
+def test_an_embedded_ray_offers_gpus_only_to_a_spec_that_asks_for_them(tmp_path: Path) -> None:
+    from relax.testing import tiny_spec
+
+    cpu, _, _ = tiny_spec(tmp_path, "cpu")
+    gpu, _, _ = tiny_spec(tmp_path, "gpu", "cluster.gpus_per_node=1", "roles.actor.gpus=1")
+    assert launch.embedded_ray_gpus(cpu) == 0  # a CPU run leaves a GPU machine's GPUs alone
+    assert launch.embedded_ray_gpus(gpu) is None  # Ray counts this machine's own
+
