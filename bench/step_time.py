@@ -170,6 +170,15 @@ def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list
     return step_s, work_s, [w / s for w, s in zip(work_s[1:], step_s)], watch.result()
 
 
+def colocated_threads(root: Path, overrides: list[str]) -> int:
+    """The torch threads the plan gives the colocated worker (every role in one process): what the
+    plugins side runs with, so both sides do the same work on the same threads."""
+    from relax.testing import tiny_spec
+
+    _, plan, _ = tiny_spec(root, "threads", *overrides, "placement.mode=colocate", "async_policy.max_staleness=0")
+    return plan.workers[0].threads
+
+
 def relax_once(mode: str, steps: int, skip: int, root: Path, tag: str,
                extra: list[str]) -> tuple[list[float], list[float], list[float], dict]:
     placement, staleness = MODES[mode]
@@ -195,10 +204,9 @@ def main() -> None:
     os.environ.update(EMBEDDED_RAY_ENV)  # what the embedded Ray of `relax run` gets
     ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
     sides = {name: Side(name) for name in ("plugins", *MODES)}
-    # The colocated worker's torch threads: what the plan gives a worker hosting every role.
-    threads = max(1, min(2, os.cpu_count() or 1))
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            threads = colocated_threads(Path(tmp), args.overrides)
             for r in range(args.repeats):
                 sides["plugins"].add(*plugins_once(args.steps, args.skip, threads))
                 for mode in MODES:
@@ -208,7 +216,8 @@ def main() -> None:
 
     base = statistics.median(sides["plugins"].step_s)
     print(f"\ntiny preset, {args.steps} steps, steady state after {args.skip}, median of {args.repeats} "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {threads} torch thread(s) in "
+          "the plugins' process and the colocated worker)")
     header = f"{'':>9} | {'s/step (range)':^24} | {'work s':^6} | share | {'/plugins':>8}"
     print(header)
     print("-" * len(header))

@@ -160,7 +160,7 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
             issues = memory_issues(memory)
             if issues:
                 raise SpecError(issues)
-    workers = plan_workers(spec, instances, base_dir or Path.cwd())
+    workers = plan_workers(spec, instances, base_dir or Path.cwd(), arch=arch)
     return Plan(
         run=spec.name, mode=spec.placement.mode, nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,

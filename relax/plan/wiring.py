@@ -27,6 +27,7 @@ from relax.plan.model import (
     WorkerPlan,
 )
 from relax.registry import PluginError, get_registry, trait
+from relax.spec.architecture import ModelArchitecture
 from relax.roles import (
     CRITIC_VALUES,
     EVALUATION,
@@ -324,16 +325,42 @@ def holder_name(roles: list[str], replica: int = 0) -> str:
     return "/".join(roles) + (f"#{replica}" if replica else "")
 
 
+#: Model width per torch intra-op thread worth having on CPU. A thread more than the model's matrix
+#: products can use only spins between them: on a 16-core machine the tiny preset (width 64) ran a
+#: colocated step no faster on 16 threads than on 2 and kept all 16 cores busy doing it (493 against
+#: 56 CPU-ms a step), and a separate run's two workers spun against each other (bench/step_time.py).
+HIDDEN_PER_THREAD = 32
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what ``taskset`` or a container's cpuset
+    leaves it), which ``os.cpu_count()`` ignores."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 2
+
+
+def torch_threads(cores: int, model_processes: int, arch: ModelArchitecture | None) -> int:
+    """Torch threads per model process: an equal share of ``cores``, but no more than the model's
+    width can use (``HIDDEN_PER_THREAD``; at least 2). Unknown architecture: the whole share."""
+    share = max(1, cores // max(1, model_processes))
+    if arch is None:
+        return share
+    return max(1, min(share, max(2, arch.hidden_size // HIDDEN_PER_THREAD)))
+
+
 def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
-                 cores: int | None = None) -> list[WorkerPlan]:
+                 cores: int | None = None, arch: ModelArchitecture | None = None) -> list[WorkerPlan]:
     """One worker process per planned bundle: roles whose first instances share a bundle share a
     process (colocate's rollout and actor; a rollout and the scorer riding on it; reward and
     advantage) and hand data to each other in memory. A model role with several ranks is hosted by
     the worker of its rank 0, which starts the other ranks itself; each rollout instance past the
     first is a process of its own that only generates.
 
-    ``cores`` (default: this machine's) is shared out as torch threads between the model processes."""
-    cores = cores or os.cpu_count() or 2
+    ``cores`` (default: those this process may run on) is shared out as torch threads between the
+    model processes, each getting no more than the model ``arch`` can use (``torch_threads``)."""
+    cores = cores or available_cores()
     roles = run_roles(spec)
 
     def of(role: str) -> list[RoleInstance]:
@@ -347,7 +374,7 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
     extra_ranks = sum(len(of(role)) - 1 for role in RANKED_ROLES if role in roles)
     model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
                        + len(replicas) + extra_ranks)
-    threads = max(1, cores // model_processes)
+    threads = torch_threads(cores, model_processes, arch)
     evaluator = of(EVALUATION)
     workers = []
     for group in by_bundle.values():

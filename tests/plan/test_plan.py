@@ -327,3 +327,35 @@ def test_the_table_shows_what_each_role_keeps_on_each_device() -> None:
     assert set(held) == {"weights", "optimizer"} and "activations" in freed
     assert lines[row + 1].strip() == ("actor: " + ", ".join(f"{k} {v:.2f}" for k, v in held.items())
                                       + "; transient: " + ", ".join(f"{k} {v:.2f}" for k, v in freed.items()))
+
+
+def test_torch_threads_share_the_cores_but_stop_at_what_the_model_width_uses() -> None:
+    from relax.plan.wiring import HIDDEN_PER_THREAD, torch_threads
+    from relax.spec.architecture import ModelArchitecture
+
+    def arch(hidden: int) -> ModelArchitecture:
+        return ModelArchitecture(name="m", num_layers=2, hidden_size=hidden, num_attention_heads=2, num_kv_heads=1,
+                                 head_dim=32, intermediate_size=4 * hidden, vocab_size=99)
+
+    tiny, wide = arch(64), arch(4096)
+    assert torch_threads(16, 1, tiny) == 2 and torch_threads(16, 2, tiny) == 2  # not 16 spinning threads
+    assert torch_threads(2, 2, tiny) == 1  # two model processes on two cores: one each
+    assert torch_threads(16, 2, wide) == 8 and torch_threads(64, 1, wide) == 64  # a wide model gets the share
+    assert torch_threads(64, 1, arch(16 * HIDDEN_PER_THREAD)) == 16
+    assert torch_threads(16, 2, None) == 8  # unknown width: the whole share
+    assert torch_threads(3, 5, tiny) == 1
+
+
+def test_the_tiny_preset_s_workers_get_the_threads_its_width_uses(tmp_path: Path) -> None:
+    from relax.plan.wiring import plan_workers
+    from relax.registry import get_registry
+    from relax.spec.validate import resolve_architecture
+
+    for mode, staleness in (("colocate", 0), ("separate", 1)):
+        raw, base = load_spec_dict("tiny-cpu", [f"placement.mode={mode}", f"async_policy.max_staleness={staleness}"])
+        spec = validate_spec(raw, base_dir=base)
+        arch, _ = resolve_architecture(spec.model.path, base, get_registry(), spec.model.options)
+        _, instances = plan_placement(spec)
+        many = plan_workers(spec, instances, tmp_path, cores=16, arch=arch)
+        assert {w.threads for w in many} == {2}, (mode, [w.threads for w in many])
+        assert {w.threads for w in plan_workers(spec, instances, tmp_path, cores=16)} == {16 // len(many)}
