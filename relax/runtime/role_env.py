@@ -140,12 +140,18 @@ class RoleEnv:
             self.bound = got.bound
         return got
 
-    def lease_ahead(self, step: int) -> None:
+    def lease_ahead(self, step: int, acknowledging: tuple[Any, ...] | None = None) -> None:
         """Ask now for the unit of ``step`` that the next ``lease(step)`` takes (RunState holds the
         call until the staleness bound admits it), so the answer travels while this worker does
-        other work. A unit granted to a worker that then fails goes back to the ledger like any."""
+        other work. A unit granted to a worker that then fails goes back to the ledger like any.
+        ``acknowledging``: the arguments of a ``RunState.complete`` not yet sent, sent in the same
+        call (``complete_and_lease``)."""
         k = self.settings.max_staleness
-        self._lease_ahead = (step, self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S))
+        if acknowledging is None:
+            asked = self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S)
+        else:
+            asked = self.state.complete_and_lease.remote(*acknowledging, k, step, WAIT_SLICE_S)
+        self._lease_ahead = (step, asked)
 
     def wait_version(self, min_version: int) -> PolicyVersion:
         """The newest published policy once it is at least ``min_version`` (the one the last lease

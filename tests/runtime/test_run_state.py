@@ -54,3 +54,19 @@ def test_waiters_in_many_threads_wake_on_their_own_signal_and_on_stop() -> None:
     assert state.status().stopped
     # the step's signals were forgotten with its reports
     assert state.wait_ready(0, ["advantages"], 0.01) is None
+
+
+def test_complete_and_lease_acknowledges_the_unit_before_it_leases_the_next_step_s() -> None:
+    state = RunState(RolloutLedger(steps=3, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    first = state.lease("r", 0, 0, 1.0)
+    nxt = state.complete_and_lease("r", 0, first.unit["unit"], first.unit["attempt"], {"rollout_s": 0.1},
+                                   ["response"], 0, 1, 1.0)
+    assert nxt is not None and nxt.unit["step"] == 1  # step 1's unit, granted (only_step: no version gate)
+    assert state.step_stats(0) == [{"rollout_s": 0.1}]  # step 0 acknowledged, its stats kept
+    assert state.lease("r", 0, 0, 0.05).done  # nothing of step 0 is left to lease
+    # a revoked lease is acknowledged as not accepted, and the next lease is still granted
+    state.release("r")
+    again = state.lease("r2", 0, 1, 1.0)
+    late = state.complete_and_lease("r", 1, nxt.unit["unit"], nxt.unit["attempt"], {}, ["response"], 0, 2, 0.05)
+    assert again.unit["step"] == 1 and late is not None and late.unit["step"] == 2
+    assert state.lease("r3", 0, 1, 0.05) is None  # step 1 is not done: its unit is r2's now

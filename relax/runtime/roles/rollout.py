@@ -103,6 +103,8 @@ class RolloutLoop:
         self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
+        self._acknowledging: tuple[Any, ...] | None = None
+        """Colocate: this step's ``RunState.complete`` arguments, sent with the next step's lease."""
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -117,8 +119,12 @@ class RolloutLoop:
         while (got := self.env.lease(step)).unit is not None:
             done = self.produce(got.unit)
             if done.step_stats is not None:  # this unit completed the step
+                acknowledging, self._acknowledging = self._acknowledging, None
                 if self.sole_producer and step + 1 < self.env.settings.steps:
-                    self.env.lease_ahead(step + 1)  # granted while the step trains (colocate) or in flight
+                    # granted while the step trains (colocate) or in flight
+                    self.env.lease_ahead(step + 1, acknowledging)
+                elif acknowledging is not None:
+                    self.env.state.complete.remote(*acknowledging)
                 self.evaluate_if_due()
                 return merge_unit_stats(done.step_stats)
         self.evaluate_if_due()
@@ -220,7 +226,11 @@ class RolloutLoop:
         if self.learner is not None:  # colocate: the actor beside it takes the rows, and the ack is not awaited
             self.learner.hand(step, columns, batch.meta)
             stats["bus_s"] = time.perf_counter() - t3
-            env.state.complete.remote(env.holder, step, unit["unit"], unit["attempt"], stats, ready)
+            acknowledging = (env.holder, step, unit["unit"], unit["attempt"], stats, ready)
+            if self.sole_producer and step + 1 < settings.steps:
+                self._acknowledging = acknowledging  # sent by step() with the next step's lease
+            else:
+                env.state.complete.remote(*acknowledging)
             return UnitDone(accepted=True, step_stats=[stats])
         if self.sole_producer:
             # Put and acknowledge in the background while this thread goes on to the next step; only
