@@ -27,7 +27,6 @@ from relax.plan.model import (
     WorkerPlan,
 )
 from relax.registry import PluginError, get_registry, trait
-from relax.spec.architecture import ModelArchitecture
 from relax.roles import (
     CRITIC_VALUES,
     EVALUATION,
@@ -43,6 +42,7 @@ from relax.roles import (
     Column,
     Role,
 )
+from relax.spec.architecture import ModelArchitecture
 from relax.spec.data_files import data_path
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
