@@ -51,7 +51,11 @@ def main() -> int:
                              "of vLLM and megatron-core can still run hf-torch)")
     args = parser.parse_args()
     pairs = [tuple(p.strip().split("-", 1)) for p in args.pairs.split(",") if p.strip()]
-    known = {("vllm", "megatron"), ("hf", "torch"), ("vllm", "torch"), ("hf", "megatron")}
+    from relax.contracts import PluginKind
+    from relax.registry import get_registry
+
+    registry = get_registry()  # every installed backend, a third party's too
+    known = {(r, t) for r in registry.entries(PluginKind.rollout) for t in registry.entries(PluginKind.trainer)}
     if not pairs or any(p not in known for p in pairs):
         parser.error(f"--pairs {args.pairs!r}: each pair is rollout-trainer, one of "
                      f"{', '.join(sorted('-'.join(k) for k in known))}")

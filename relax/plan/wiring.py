@@ -336,7 +336,7 @@ def available_cores() -> int:
     """The cores this process may run on: its CPU affinity (what ``taskset`` or a container's cpuset
     leaves it), which ``os.cpu_count()`` ignores."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 2
 
@@ -347,7 +347,7 @@ def torch_threads(cores: int, model_processes: int, arch: ModelArchitecture | No
     share = max(1, cores // max(1, model_processes))
     if arch is None:
         return share
-    return max(1, min(share, max(2, arch.hidden_size // HIDDEN_PER_THREAD)))
+    return min(share, max(2, arch.hidden_size // HIDDEN_PER_THREAD))
 
 
 def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,

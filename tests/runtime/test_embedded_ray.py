@@ -60,4 +60,3 @@ def test_an_embedded_ray_offers_gpus_only_to_a_spec_that_asks_for_them(tmp_path:
     gpu, _, _ = tiny_spec(tmp_path, "gpu", "cluster.gpus_per_node=1", "roles.actor.gpus=1")
     assert launch.embedded_ray_gpus(cpu) == 0  # a CPU run leaves a GPU machine's GPUs alone
     assert launch.embedded_ray_gpus(gpu) is None  # Ray counts this machine's own
-

@@ -104,7 +104,8 @@ class RolloutLoop:
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
         self._acknowledging: tuple[Any, ...] | None = None
-        """Colocate: this step's ``RunState.complete`` arguments, sent with the next step's lease."""
+        """Colocate: this step's ``RunState.complete`` arguments, sent by ``step`` (with the next
+        step's lease when it asks for one ahead)."""
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -226,11 +227,8 @@ class RolloutLoop:
         if self.learner is not None:  # colocate: the actor beside it takes the rows, and the ack is not awaited
             self.learner.hand(step, columns, batch.meta)
             stats["bus_s"] = time.perf_counter() - t3
-            acknowledging = (env.holder, step, unit["unit"], unit["attempt"], stats, ready)
-            if self.sole_producer and step + 1 < settings.steps:
-                self._acknowledging = acknowledging  # sent by step() with the next step's lease
-            else:
-                env.state.complete.remote(*acknowledging)
+            # sent by step(): with the next step's lease when it asks for one ahead
+            self._acknowledging = (env.holder, step, unit["unit"], unit["attempt"], stats, ready)
             return UnitDone(accepted=True, step_stats=[stats])
         if self.sole_producer:
             # Put and acknowledge in the background while this thread goes on to the next step; only
