@@ -26,7 +26,10 @@ It also prints the CPU a steady step costs on each side: every process of this b
 (this one, Ray's daemons, the run's actors), split into the role workers (``ray::RoleWorker``,
 ``ray::RankWorker``) and the rest (the run's control plane, the bus, Ray), and how many cores
 that keeps busy. Separate mode overlaps generating with training only while cores are free: its
-step cannot be shorter than its CPU per step over the machine's cores (the "CPU floor" printed).
+step cannot be shorter than its CPU per step over the machine's cores (the "CPU floor" printed),
+so colocate's step over that floor is the most speedup the machine allows, printed last: on the
+2-core box separate mode spends more CPU a step than colocate (the bus, the second model, the
+weights' way), so its bound there is under 1x whatever the runtime does.
 """
 
 from __future__ import annotations
@@ -67,11 +70,20 @@ class Side:
         self.share.append(statistics.median(share))
         self.cpu.append(cpu)
 
-    def cpu_line(self, cores: int) -> str:
+    def cpu_ms(self) -> tuple[float, float]:
+        """CPU-ms of a steady step: the workers', and every other process's."""
         workers, rest = (statistics.median(c[k] for c in self.cpu) * 1000 for k in ("workers", "rest"))
+        return workers, rest
+
+    def cpu_floor_ms(self, cores: int) -> float:
+        """The shortest step these cores allow for this side's CPU, were every core busy all the time."""
+        return sum(self.cpu_ms()) / cores
+
+    def cpu_line(self, cores: int) -> str:
+        workers, rest = self.cpu_ms()
         step_ms = statistics.median(self.step_s) * 1000
         return (f"{self.name:>9} | {workers + rest:6.1f} | {workers:7.1f} | {rest:6.1f} | "
-                f"{(workers + rest) / step_ms:5.2f} | {(workers + rest) / cores:5.1f}")
+                f"{(workers + rest) / step_ms:5.2f} | {self.cpu_floor_ms(cores):5.1f}")
 
     def line(self, base: float | None) -> str:
         med = statistics.median(self.step_s)
@@ -236,6 +248,11 @@ def main() -> None:
     print("-" * len(header))
     for side in sides.values():
         print(side.cpu_line(cores))
+    # A speedup needs idle cores: a side whose CPU floor is near colocate's step cannot beat it here.
+    for mode in ("separate", "async"):
+        bound = colocate * 1000 / sides[mode].cpu_floor_ms(cores)
+        print(f"{mode} speedup over colocate these {cores} CPUs allow at most: {bound:.2f}x "
+              "(colocate's step over this side's CPU floor)")
 
 
 if __name__ == "__main__":
