@@ -148,8 +148,13 @@ def test_a_slow_tool_holds_only_its_own_trajectory(tokenizer):
     first_slow_tool = min(environment.tool_returned_at[j] for j in slow if j in environment.tool_returned_at)
     # every fast trajectory ran all its turns while the slow tools were still sleeping
     assert all(environment.finished_at[j] < first_slow_tool for j in range(8) if j not in slow)
-    # and the model served trajectories together whenever they waited together
-    assert len(script.batches[0]) == 8 and max(len(b) for b in script.batches[1:]) >= 2
+    # and the model served trajectories together whenever they waited together: 24 requests in a
+    # handful of calls (5 on an idle machine: all first turns, then the fast and the slow second and
+    # third turns). How many first turns share the first call depends on scheduling: a trajectory
+    # still in its environment's start call after the batcher's settle window (10 ms, which a busy
+    # CI machine can exceed) joins the next call instead.
+    assert sum(len(b) for b in script.batches) == 24
+    assert len(script.batches) <= 12 and max(len(b) for b in script.batches[1:]) >= 2
 
 
 def test_budgets_truncate_and_mask_policy_removes_them_from_training(tokenizer):
