@@ -72,8 +72,7 @@ class Side:
 
     def cpu_ms(self) -> tuple[float, float]:
         """CPU-ms of a steady step: the workers', and every other process's."""
-        workers, rest = (statistics.median(c[k] for c in self.cpu) * 1000 for k in ("workers", "rest"))
-        return workers, rest
+        return tuple(statistics.median(c[k] for c in self.cpu) * 1000 for k in ("workers", "rest"))
 
     def cpu_floor_ms(self, cores: int) -> float:
         """The shortest step these cores allow for this side's CPU, were every core busy all the time."""
