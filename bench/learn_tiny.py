@@ -41,7 +41,7 @@ from relax.runtime.scoring import RewardScorer
 from relax.spec import validate_spec
 from relax.spec.models import RunSpec
 
-#: The bench's run spec: the tiny CPU default (presets/tiny-cpu.yaml) run synchronously, with a
+#: The bench's run spec: the tiny CPU default (relax/presets/tiny-cpu.yaml) run synchronously, with a
 #: learning rate of 5e-4 (1e-3 learns too, but less steadily: the reward can dip for tens of steps).
 BENCH_SPEC: dict[str, Any] = {
     "name": "learn-tiny",

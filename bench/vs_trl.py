@@ -225,7 +225,7 @@ def timed(command: list[str], log: Path, what: str, env: dict[str, str] | None =
 
 
 def relax_spec(work: Work, mode: str, steps: int, name: str, out_dir: Path) -> dict[str, Any]:
-    """The tiny preset (``presets/tiny-cpu.yaml``, written out whole) with this bench's work pinned:
+    """The tiny preset (``relax/presets/tiny-cpu.yaml``, written out whole) with this bench's work pinned:
     the shared model folder and data file, lr 1e-4, KL 0, no checkpoints, no tracing. ``mode`` is a
     key of ``MODES``: the placement mode and ``max_staleness``."""
     from relax.config import load_spec_dict

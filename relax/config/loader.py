@@ -28,14 +28,15 @@ from relax.spec.errors import SpecError, SpecIssue
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: Folders searched for ``extends: <name>`` besides the spec's own folder.
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
+#: The presets shipped inside the package (``relax/presets/``, package data, so a wheel has them too);
+#: searched for ``extends: <name>`` and ``relax run <name>`` after ``$RELAX_PRESETS_PATH``.
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 PRESETS_ENV = "RELAX_PRESETS_PATH"
 MAX_EXTENDS_DEPTH = 16
 
 
 def preset_dirs() -> list[Path]:
-    """Where preset names are looked up: ``$RELAX_PRESETS_PATH`` entries, then ``presets/``."""
+    """Where preset names are looked up: ``$RELAX_PRESETS_PATH`` entries, then ``relax/presets/``."""
     extra = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
     return [*extra, PRESETS_DIR]
 

@@ -14,7 +14,7 @@ from relax.spec import SpecError, machine, validate_spec
 
 from .conftest import ROOT
 
-PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
+PRESETS = sorted((ROOT / "relax" / "presets").glob("*.yaml"))
 
 
 def run_prestart(preset: Path) -> list[str]:

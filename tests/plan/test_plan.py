@@ -16,10 +16,10 @@ from relax.spec import RunSpec, SpecError, validate_spec
 from relax.spec.architecture import load_card
 from relax.spec.rules import gpus_requested
 
-PRESETS = sorted((Path(__file__).parents[2] / "presets").glob("*.yaml"))
+PRESETS = sorted((Path(__file__).parents[2] / "relax" / "presets").glob("*.yaml"))
 
 
-#: A two-node layout whose model no built-in trainer can hold (examples/, not presets/): its layout
+#: A two-node layout whose model no built-in trainer can hold (examples/, not relax/presets/): its layout
 #: is checked without the memory check.
 OMNI_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-omni-30b-a3b.yaml"
 

@@ -16,7 +16,7 @@ from relax.testing import tiny_spec
 
 PROMPT = "347*58="
 #: The tiny agent's model: the built-in tiny-lm with its calculator task, whose tokenizer has a chat
-#: template (presets/tiny-agent-cpu.yaml).
+#: template (relax/presets/tiny-agent-cpu.yaml).
 AGENT_OPTIONS = {"task": "calculator", "num_attention_heads": 4, "num_kv_heads": 4, "warmup_steps": 300}
 
 

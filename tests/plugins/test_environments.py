@@ -1,5 +1,5 @@
 """The calculator environment, the products data set, and the tiny model built for them
-(``presets/tiny-agent-cpu.yaml``): its chat template, its token layout and its warm-up."""
+(``relax/presets/tiny-agent-cpu.yaml``): its chat template, its token layout and its warm-up."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from relax_plugins.environments.tools import ToolError
 from relax_plugins.models.tiny_lm import TOOL_CALL, TinyLM
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESET = ROOT / "presets" / "tiny-agent-cpu.yaml"
+PRESET = ROOT / "relax" / "presets" / "tiny-agent-cpu.yaml"
 
 
 def _calculator(**options) -> CalculatorEnvironment:

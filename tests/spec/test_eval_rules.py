@@ -14,7 +14,7 @@ from relax.config import load_spec_dict
 from relax.plan import make_plan
 from relax.spec import SpecError, validate_spec
 
-PRESETS = Path(__file__).resolve().parents[2] / "presets"
+PRESETS = Path(__file__).resolve().parents[2] / "relax" / "presets"
 EVAL = "data.eval={source: 'synthetic:arithmetic', options: {size: 16, seed: 1}}"
 
 

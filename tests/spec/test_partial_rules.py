@@ -13,7 +13,7 @@ from relax.roles import Column
 from relax.spec import SpecError, validate_spec
 from relax.plan import make_plan
 
-PRESETS = Path(__file__).resolve().parents[2] / "presets"
+PRESETS = Path(__file__).resolve().parents[2] / "relax" / "presets"
 
 
 def _issues(*overrides: str, registry=None) -> dict[str, str]:

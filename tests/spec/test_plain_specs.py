@@ -94,7 +94,7 @@ def test_what_only_omegaconf_resolves(data):
     assert resolve_plain(data) is None
 
 
-@pytest.mark.parametrize("spec", sorted([*ROOT.glob("presets/*.yaml"), *ROOT.glob("examples/*.yaml")]),
+@pytest.mark.parametrize("spec", sorted([*ROOT.glob("relax/presets/*.yaml"), *ROOT.glob("examples/*.yaml")]),
                          ids=lambda p: p.name)
 def test_shipped_specs_load_the_same_either_way(spec, monkeypatch):
     fast = load_spec_dict(spec)

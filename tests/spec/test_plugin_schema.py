@@ -14,8 +14,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "schemas" / "run-spec.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
-TINY = yaml.safe_load((ROOT / "presets" / "tiny-cpu.yaml").read_text())
-PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
+TINY = yaml.safe_load((ROOT / "relax" / "presets" / "tiny-cpu.yaml").read_text())
+PRESETS = sorted((ROOT / "relax" / "presets").glob("*.yaml"))
 
 
 def errors(doc: dict) -> list[str]:
@@ -25,7 +25,7 @@ def errors(doc: dict) -> list[str]:
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_preset_points_editors_at_the_schema_and_satisfies_it(preset):
     first = preset.read_text().splitlines()[0]
-    assert first == "# yaml-language-server: $schema=../schemas/run-spec.schema.json"
+    assert first == "# yaml-language-server: $schema=../../schemas/run-spec.schema.json"
     assert errors(yaml.safe_load(preset.read_text())) == []
 
 

@@ -12,7 +12,7 @@ import yaml
 from relax.roles import Column
 from relax.spec import SpecError, validate_spec
 
-PRESET = Path(__file__).resolve().parents[2] / "presets" / "tiny-cpu.yaml"
+PRESET = Path(__file__).resolve().parents[2] / "relax" / "presets" / "tiny-cpu.yaml"
 
 
 def _spec(mode: str, moe: bool = True, **roles: str) -> dict:

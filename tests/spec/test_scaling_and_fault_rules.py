@@ -14,7 +14,7 @@ import pytest
 from relax.config import load_spec_dict
 from relax.spec import RunSpec, validate_spec
 
-PRESETS = sorted((Path(__file__).parents[2] / "presets").glob("*.yaml"))
+PRESETS = sorted((Path(__file__).parents[2] / "relax" / "presets").glob("*.yaml"))
 
 
 # --- the defaults and the presets ---------------------------------------------------------------------
