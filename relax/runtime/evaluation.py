@@ -37,9 +37,10 @@ EVAL_SEED_OFFSET = 7_777_777
 def yield_cpu_to_training() -> None:
     """Lower the calling thread to the lowest CPU priority there is, so an evaluation worker on CPU
     runs in the time the rollout and the actor leave idle and yields the rest: Linux's
-    ``SCHED_IDLE`` (per thread), else ``nice`` 19. Ray already starts its workers at nice 15, so
-    nice alone would leave the evaluation about a third of a core it shares with training;
-    ``SCHED_IDLE`` leaves it a few percent."""
+    ``SCHED_IDLE`` (per thread), else ``nice`` 19. On a cluster whose Ray starts its workers at nice
+    15 (Ray's default; an embedded Ray starts them at the driver's priority), nice alone would leave
+    the evaluation about a third of a core it shares with training; ``SCHED_IDLE`` leaves it a few
+    percent either way."""
     import os
 
     if hasattr(os, "SCHED_IDLE"):

@@ -1,5 +1,5 @@
 """The embedded Ray a run starts: its processes get ``EMBEDDED_RAY_ENV`` (no task events, no Ray
-metrics), it starts without Ray's dashboard head and autoscaler monitor, and the driver's own
+metrics, workers at the driver's priority), it starts without Ray's dashboard head and autoscaler monitor, and the driver's own
 environment (and Ray's classes) are left as they were."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_environment_is_set_inside_the_block_and_restored_after(monkeypatch) -> 
     assert os.environ["RELAX_TEST_KEPT"] == "before" and "RELAX_TEST_NEW" not in os.environ
 
 
-def test_an_embedded_ray_s_workers_run_without_task_events_or_unused_head_processes(tmp_path: Path) -> None:
+def test_an_embedded_ray_s_workers_run_at_the_driver_s_priority_without_task_events_or_unused_head_processes(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os
         import psutil
@@ -38,6 +38,8 @@ def test_an_embedded_ray_s_workers_run_without_task_events_or_unused_head_proces
             seen = ray.get(ray.remote(lambda: {{k: os.environ.get(k) for k in EMBEDDED_RAY_ENV}}).remote())
             assert seen == EMBEDDED_RAY_ENV, seen
             assert not any(k in os.environ for k in EMBEDDED_RAY_ENV), "the driver's environment changed"
+            # the workers run at the driver's priority, not Ray's nice 15 below it
+            assert ray.get(ray.remote(lambda: os.nice(0)).remote()) == os.nice(0)
             started = ray._private.worker._global_node.all_processes
             assert {{"gcs_server", "raylet"}} <= set(started) and not {{"dashboard", "monitor"}} & set(started), started
             lines = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
@@ -51,6 +53,26 @@ def test_an_embedded_ray_s_workers_run_without_task_events_or_unused_head_proces
     env = {k: v for k, v in os.environ.items() if k not in launch.EMBEDDED_RAY_ENV}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_worker_niceness_the_user_set_is_kept(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import os
+        import ray
+        from relax.runtime.launch import _init_ray
+        from relax.testing import tiny_spec
+
+        spec, _, _ = tiny_spec({str(tmp_path)!r}, "nice")
+        assert _init_ray(spec), "an embedded Ray was expected"
+        try:
+            print("nice", ray.get(ray.remote(lambda: os.nice(0)).remote()) - os.nice(0))
+        finally:
+            ray.shutdown()
+    """)
+    env = {**os.environ, "RAY_worker_niceness": "4"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "nice 4" in done.stdout.splitlines(), done.stdout
 
 
 def test_an_embedded_ray_offers_gpus_only_to_a_spec_that_asks_for_them(tmp_path: Path) -> None:
