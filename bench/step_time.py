@@ -210,9 +210,9 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from relax.runtime.launch import EMBEDDED_RAY_CPUS, EMBEDDED_RAY_ENV
+    from relax.runtime.launch import EMBEDDED_RAY_CPUS, embedded_ray_env
 
-    os.environ.update(EMBEDDED_RAY_ENV)  # what the embedded Ray of `relax run` gets
+    os.environ.update(embedded_ray_env())  # what the embedded Ray of `relax run` gets
     ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
     sides = {name: Side(name) for name in ("plugins", *MODES)}
     try:

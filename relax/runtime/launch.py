@@ -217,8 +217,7 @@ def _init_ray(spec: RunSpec) -> bool:
         # processes inherit this environment, so the run needs no runtime_env of its own, and without
         # one Ray hands the actors the worker processes it prestarts (each saves a Python start and
         # `import ray`); a worker setup hook does need one.
-        embedded = {**EMBEDDED_RAY_ENV, **{k: os.environ[k] for k in USER_KEPT_ENV if k in os.environ}}
-        with _loopback_node(), lean_head_node(), temporarily_set(embedded):
+        with _loopback_node(), lean_head_node(), temporarily_set(embedded_ray_env()):
             ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, num_gpus=embedded_ray_gpus(spec),
                      include_dashboard=False,
                      logging_level="ERROR", runtime_env=_runtime_env(hook) if hook else None,
@@ -227,6 +226,11 @@ def _init_ray(spec: RunSpec) -> bool:
         return True
     ray.init(address=spec.cluster.address, logging_level="ERROR", runtime_env=_runtime_env(hook))
     return False
+
+
+def embedded_ray_env() -> dict[str, str]:
+    """``EMBEDDED_RAY_ENV``, with the values of ``USER_KEPT_ENV`` this environment sets itself."""
+    return {**EMBEDDED_RAY_ENV, **{k: os.environ[k] for k in USER_KEPT_ENV if k in os.environ}}
 
 
 def embedded_ray_gpus(spec: RunSpec) -> int | None:

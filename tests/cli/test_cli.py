@@ -10,11 +10,12 @@ import textwrap
 
 import pytest
 
+from relax.config.loader import PRESETS_DIR
 from relax.spec.schema import schema_text, spec_reference_markdown
 
 from .conftest import ROOT
 
-PRESETS = sorted(p.name for p in (ROOT / "relax" / "presets").glob("*.yaml"))
+PRESETS = sorted(p.name for p in PRESETS_DIR.glob("*.yaml"))
 CPU_PRESETS = ["tiny-agent-cpu.yaml", "tiny-cpu.yaml", "tiny-longtail-cpu.yaml", "tiny-omni-cpu.yaml"]
 HEAVY = ("torch", "ray", "vllm", "megatron", "transformers")
 #: A machine without GPUs, whatever runs the tests (CUDA hides every GPU for an empty value).
@@ -23,7 +24,7 @@ NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_validate_accepts_every_preset_but_a_gpu_one_on_a_machine_without_gpus(relax, preset):
-    result = relax("validate", f"relax/presets/{preset}", env_vars=NO_GPUS)
+    result = relax("validate", str(PRESETS_DIR / preset), env_vars=NO_GPUS)
     if preset in CPU_PRESETS:
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("ok: ")
@@ -32,7 +33,7 @@ def test_validate_accepts_every_preset_but_a_gpu_one_on_a_machine_without_gpus(r
         assert result.stderr.startswith("1 problem in the run spec:\n  - cluster.address: the spec asks for ")
         assert "set cluster.address to run on a GPU cluster" in result.stderr
     # on a GPU cluster it is valid
-    assert relax("validate", f"relax/presets/{preset}", "cluster.address=ray://head:10001").returncode == 0
+    assert relax("validate", str(PRESETS_DIR / preset), "cluster.address=ray://head:10001").returncode == 0
 
 
 def test_validate_accepts_a_preset_name_and_overrides(relax):
@@ -134,7 +135,7 @@ print("\\n" + json.dumps({{"rc": rc, "heavy": heavy}}))
                          ids=["validate", "plan", "plan-json"])
 @pytest.mark.parametrize("preset", ["tiny-cpu.yaml", "qwen3-4b-grpo-async.yaml"])
 def test_validate_and_plan_import_no_heavy_library(command, preset):
-    argv = [command[0], str(ROOT / "relax" / "presets" / preset), *command[1:]]
+    argv = [command[0], str(PRESETS_DIR / preset), *command[1:]]
     result = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(heavy=set(HEAVY)), *argv],
                             capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **NO_GPUS})
     report = json.loads(result.stdout.strip().splitlines()[-1])

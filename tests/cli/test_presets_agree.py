@@ -11,10 +11,9 @@ import pytest
 from relax.cli import main
 from relax.config import load_spec_dict
 from relax.spec import SpecError, machine, validate_spec
+from relax.config.loader import PRESETS_DIR
 
-from .conftest import ROOT
-
-PRESETS = sorted((ROOT / "relax" / "presets").glob("*.yaml"))
+PRESETS = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
 def run_prestart(preset: Path) -> list[str]:

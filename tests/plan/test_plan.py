@@ -15,8 +15,9 @@ from relax.plan.placement import plan_placement
 from relax.spec import RunSpec, SpecError, validate_spec
 from relax.spec.architecture import load_card
 from relax.spec.rules import gpus_requested
+from relax.config.loader import PRESETS_DIR
 
-PRESETS = sorted((Path(__file__).parents[2] / "relax" / "presets").glob("*.yaml"))
+PRESETS = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
 #: A two-node layout whose model no built-in trainer can hold (examples/, not relax/presets/): its layout

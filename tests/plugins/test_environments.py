@@ -20,9 +20,10 @@ from relax_plugins.datasets.products import ProductsDataset
 from relax_plugins.environments.calculator import CalculatorEnvironment
 from relax_plugins.environments.tools import ToolError
 from relax_plugins.models.tiny_lm import TOOL_CALL, TinyLM
+from relax.config.loader import PRESETS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESET = ROOT / "relax" / "presets" / "tiny-agent-cpu.yaml"
+PRESET = PRESETS_DIR / "tiny-agent-cpu.yaml"
 
 
 def _calculator(**options) -> CalculatorEnvironment:

@@ -6,15 +6,14 @@ rollout replica only, with rewards of its own when no reward loop rides in it.""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from relax.config import load_spec_dict
 from relax.plan import make_plan
 from relax.spec import SpecError, validate_spec
+from relax.config.loader import PRESETS_DIR as PRESETS
 
-PRESETS = Path(__file__).resolve().parents[2] / "relax" / "presets"
 EVAL = "data.eval={source: 'synthetic:arithmetic', options: {size: 16, seed: 1}}"
 
 

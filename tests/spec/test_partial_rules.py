@@ -4,7 +4,6 @@ each token's policy version to the actor only when it is on."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,8 @@ from relax.config import load_spec_dict
 from relax.roles import Column
 from relax.spec import SpecError, validate_spec
 from relax.plan import make_plan
+from relax.config.loader import PRESETS_DIR as PRESETS
 
-PRESETS = Path(__file__).resolve().parents[2] / "relax" / "presets"
 
 
 def _issues(*overrides: str, registry=None) -> dict[str, str]:

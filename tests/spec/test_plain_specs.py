@@ -17,6 +17,7 @@ import relax.config.loader as loader
 from relax.config import load_spec_dict
 from relax.config.plain import resolve_plain
 from relax.spec import SpecError
+from relax.config.loader import PRESETS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def test_what_only_omegaconf_resolves(data):
     assert resolve_plain(data) is None
 
 
-@pytest.mark.parametrize("spec", sorted([*ROOT.glob("relax/presets/*.yaml"), *ROOT.glob("examples/*.yaml")]),
+@pytest.mark.parametrize("spec", sorted([*PRESETS_DIR.glob("*.yaml"), *ROOT.glob("examples/*.yaml")]),
                          ids=lambda p: p.name)
 def test_shipped_specs_load_the_same_either_way(spec, monkeypatch):
     fast = load_spec_dict(spec)

@@ -11,11 +11,13 @@ import jsonschema
 import pytest
 import yaml
 
+from relax.config.loader import PRESETS_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "schemas" / "run-spec.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
-TINY = yaml.safe_load((ROOT / "relax" / "presets" / "tiny-cpu.yaml").read_text())
-PRESETS = sorted((ROOT / "relax" / "presets").glob("*.yaml"))
+TINY = yaml.safe_load((PRESETS_DIR / "tiny-cpu.yaml").read_text())
+PRESETS = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
 def errors(doc: dict) -> list[str]:

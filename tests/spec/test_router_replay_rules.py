@@ -4,15 +4,15 @@ wires the routed-experts column from the rollout to the actor only when r3 is on
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml
 
 from relax.roles import Column
 from relax.spec import SpecError, validate_spec
+from relax.config.loader import PRESETS_DIR
 
-PRESET = Path(__file__).resolve().parents[2] / "relax" / "presets" / "tiny-cpu.yaml"
+PRESET = PRESETS_DIR / "tiny-cpu.yaml"
 
 
 def _spec(mode: str, moe: bool = True, **roles: str) -> dict:

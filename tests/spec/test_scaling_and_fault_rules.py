@@ -13,8 +13,9 @@ import pytest
 
 from relax.config import load_spec_dict
 from relax.spec import RunSpec, validate_spec
+from relax.config.loader import PRESETS_DIR
 
-PRESETS = sorted((Path(__file__).parents[2] / "relax" / "presets").glob("*.yaml"))
+PRESETS = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
 # --- the defaults and the presets ---------------------------------------------------------------------
