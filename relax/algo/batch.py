@@ -16,10 +16,12 @@ the training forward reproduces the log-probs of generation.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -324,23 +326,23 @@ def pack_tokens(generations: Sequence[Generation], pad_token_id: int,
                              f"{len(g.logprobs)} log-probs; give one log-prob per response token")
         if not g.prompt_ids:
             raise ValueError(f"generation {i} has an empty prompt; every row needs a prompt token")
-    prompt_lengths = torch.tensor([len(g.prompt_ids) for g in generations], dtype=torch.long)
-    response_lengths = torch.tensor([len(g.response_ids) for g in generations], dtype=torch.long)
+    prompt_lengths = np.fromiter((len(g.prompt_ids) for g in generations), dtype=np.int64, count=rows)
+    response_lengths = np.fromiter((len(g.response_ids) for g in generations), dtype=np.int64, count=rows)
     prompt_width = int(prompt_lengths.max())
     width = prompt_width + int(response_lengths.max())
     width += -width % max(1, pad_to_multiple_of)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    rollout_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    # One tensor per kind for the whole batch, scattered to (row, column) at once: a tensor per row
-    # and kind cost more than the rest of the step's bookkeeping together.
+    input_ids = np.full((rows, width), pad_token_id, dtype=np.int64)
+    rollout_logprobs = np.zeros((rows, width), dtype=np.float32)
+    # One array per kind for the whole batch, scattered to (row, column) at once, in numpy: a tensor
+    # per row and kind cost more than the rest of the step's bookkeeping together, and torch's
+    # per-call overhead on these small index tensors was most of this function's time.
     prompt_rows, prompt_cols = _positions(prompt_lengths, prompt_width - prompt_lengths)
-    input_ids[prompt_rows, prompt_cols] = torch.tensor([t for g in generations for t in g.prompt_ids], dtype=torch.long)
+    input_ids[prompt_rows, prompt_cols] = _flat((g.prompt_ids for g in generations), np.int64, prompt_lengths)
     if int(response_lengths.sum()):
-        rows_, cols = _positions(response_lengths, torch.full((rows,), prompt_width, dtype=torch.long))
-        input_ids[rows_, cols] = torch.tensor([t for g in generations for t in g.response_ids], dtype=torch.long)
-        rollout_logprobs[rows_, cols] = torch.tensor([p for g in generations for p in g.logprobs],
-                                                     dtype=torch.float32)
-    return input_ids, rollout_logprobs
+        rows_, cols = _positions(response_lengths, np.full(rows, prompt_width, dtype=np.int64))
+        input_ids[rows_, cols] = _flat((g.response_ids for g in generations), np.int64, response_lengths)
+        rollout_logprobs[rows_, cols] = _flat((g.logprobs for g in generations), np.float32, response_lengths)
+    return torch.from_numpy(input_ids), torch.from_numpy(rollout_logprobs)
 
 
 def pack_response_values(generations: Sequence[Generation], values: Sequence[Sequence[int]], width: int,
@@ -349,21 +351,26 @@ def pack_response_values(generations: Sequence[Generation], values: Sequence[Seq
     0 off the response: the dense form of the agentic token columns."""
     rows = len(generations)
     prompt_width = max(len(g.prompt_ids) for g in generations)
-    lengths = torch.tensor([len(v) for v in values], dtype=torch.long)
+    lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=rows)
     out = torch.zeros((rows, width), dtype=dtype)
     if int(lengths.sum()):
-        rows_, cols = _positions(lengths, torch.full((rows,), prompt_width, dtype=torch.long))
-        out[rows_, cols] = torch.tensor([x for v in values for x in v], dtype=dtype)
+        rows_, cols = _positions(lengths, np.full(rows, prompt_width, dtype=np.int64))
+        out[torch.from_numpy(rows_), torch.from_numpy(cols)] = torch.tensor([x for v in values for x in v], dtype=dtype)
     return out
 
 
-def _positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+def _positions(lengths: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For rows of ``lengths`` tokens placed from column ``starts``: each token's row and column, in
     row order (the order of the rows' tokens concatenated)."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    first = torch.cumsum(lengths, 0) - lengths  # where each row begins in the concatenation
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths  # where each row begins in the concatenation
+    within = np.arange(int(lengths.sum())) - np.repeat(first, lengths)
     return rows, starts[rows] + within
+
+
+def _flat(per_row: Iterator[Sequence[Any]], dtype: Any, lengths: np.ndarray) -> np.ndarray:
+    """The rows' values concatenated, as one array of ``dtype`` (``lengths``: each row's count)."""
+    return np.fromiter(itertools.chain.from_iterable(per_row), dtype=dtype, count=int(lengths.sum()))
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
