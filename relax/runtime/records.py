@@ -76,6 +76,18 @@ class SampleCounters:
 
 
 @dataclass(frozen=True)
+class StepsReported:
+    """What the controller's wait for reports returns: the reports of steps ``first``,
+    ``first + 1``, ... (per step, per report name, its stats), and the run's sample counters and the
+    evaluations posted since its last wait, as of the answer."""
+
+    first: int
+    reports: list[dict[str, dict[str, Any]]]
+    counters: SampleCounters
+    evals: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
 class Beat:
     """A worker's last heartbeat: when, what it was doing, and since when it has been busy with it
     (None while it waits on others)."""

@@ -24,7 +24,7 @@ from relax.contracts import PluginKind
 from relax.roles import Column, Role
 from relax.runtime.health import Activity
 from relax.runtime.ranks import RankPlacement, build_role_trainer
-from relax.runtime.records import Lease, PolicyVersion, RunStatus, UnitInfo
+from relax.runtime.records import Lease, PolicyVersion, RunStatus, StepReport, UnitInfo
 from relax.runtime.rows import relayout, restack
 from relax.runtime.run_state import partition_of
 from relax.plan.model import RoleWiring, RolloutWork, RunSettings, WorkerPlan
@@ -83,6 +83,9 @@ class RoleEnv:
         return self.settings.max_staleness if self.bound is None else self.bound
     _lease_ahead: tuple[int, Any] | None = None
     """A lease asked ahead (``lease_ahead``): its step and the pending call."""
+    carried_reports: list[StepReport] = field(default_factory=list)
+    """Step reports that ride on the next lease asked ahead instead of a call of their own
+    (``RoleWorker.run``; ``lease_ahead`` sends them)."""
 
     def build_trainer(self, wiring: RoleWiring) -> Any:
         """A model role's backend as its wiring plans it (the trainer, and the actor's loss): in this
@@ -145,12 +148,13 @@ class RoleEnv:
         call until the staleness bound admits it), so the answer travels while this worker does
         other work. A unit granted to a worker that then fails goes back to the ledger like any.
         ``acknowledging``: the arguments of a ``RunState.complete`` not yet sent, sent in the same
-        call (``complete_and_lease``)."""
+        call (``complete_and_lease``), with the ``carried_reports``."""
         k = self.settings.max_staleness
+        reports, self.carried_reports = self.carried_reports or None, []
         if acknowledging is None:
-            asked = self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S)
+            asked = self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S, reports)
         else:
-            asked = self.state.complete_and_lease.remote(*acknowledging, k, step, WAIT_SLICE_S)
+            asked = self.state.complete_and_lease.remote(*acknowledging, k, step, WAIT_SLICE_S, reports)
         self._lease_ahead = (step, asked)
 
     def wait_version(self, min_version: int) -> PolicyVersion:

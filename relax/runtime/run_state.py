@@ -24,8 +24,8 @@ import time
 from typing import Any, Callable, TypeVar
 
 from relax.runtime.ledger import RolloutLedger
-from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, UnitDone,
-                                   UnitInfo)
+from relax.runtime.records import (Beat, Lease, PolicyVersion, RunStatus, SampleCounters, StepReport, StepsReported,
+                                   UnitDone, UnitInfo)
 
 
 #: The rollout's report name (``relax.roles.Role.rollout``; this module stays free of the rest).
@@ -144,12 +144,16 @@ class RunState:
 
     # -- the rollout work ledger (see relax.runtime.ledger) ---------------------------------------
 
-    def lease(self, holder: str, max_staleness: int, only_step: int | None, timeout_s: float) -> Lease | None:
+    def lease(self, holder: str, max_staleness: int, only_step: int | None, timeout_s: float,
+              reports: list[StepReport] | None = None) -> Lease | None:
         """The next unit of rollout work for ``holder``: ``Lease(unit=...)``; ``Lease(done=True)``
         once ``only_step`` is complete (or, without it, every step is); ``Lease(drain=True)`` when the
         replica is being removed; None on timeout or stop. Without ``only_step`` a unit of step s
         is leased only once policy version s - max_staleness is published (admission control). Holds
-        the lock itself: it waits in a loop of its own."""
+        the lock itself: it waits in a loop of its own. ``reports``: the caller's step reports,
+        taken first (``report``; a worker's reports ride on its next lease asked ahead)."""
+        if reports:
+            self.report(reports)
         ledger = self._ledger
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -191,13 +195,14 @@ class RunState:
 
     def complete_and_lease(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
                            columns: list[str], max_staleness: int, only_step: int | None,
-                           timeout_s: float) -> Lease | None:
+                           timeout_s: float, reports: list[StepReport] | None = None) -> Lease | None:
         """``complete`` the unit, then ``lease`` the next one (which may wait): one call instead of
         two for a sole producer that asks for its next step's unit as soon as it acknowledges this
         one (colocate mode, where the acknowledgement is not awaited). Every call between processes
-        costs CPU on both sides: a colocated step now makes two (this and the report), not three."""
+        costs CPU on both sides: with the previous step's reports riding on it, a colocated worker
+        makes one call a step, not three."""
         self.complete(holder, step, unit, attempt, stats, columns)
-        return self.lease(holder, max_staleness, only_step, timeout_s)
+        return self.lease(holder, max_staleness, only_step, timeout_s, reports)
 
     @_locked
     def release(self, holder: str) -> int:
@@ -282,18 +287,24 @@ class RunState:
         self._notify()
 
     @_locked
-    def wait_reports(self, step: int, roles: list[str], timeout_s: float
-                     ) -> tuple[dict[str, dict[str, Any]], SampleCounters, list[dict[str, float]]] | None:
-        """The reports of every role for ``step`` once all have arrived, with the sample counters
-        and the evaluations posted since the last call; None on timeout or stop. Once every role
-        reported it, the step's signals and rollout units are forgotten (a role restarted in place
-        re-reads a step only while it is unreported)."""
-        ok = self._wait(lambda: all(r in self._reports.get(step, {}) for r in roles), timeout_s)
-        if not ok:
+    def wait_reports(self, step: int, roles: list[str], timeout_s: float) -> StepsReported | None:
+        """Once every role of ``roles`` reported ``step``: its reports and those of the steps after
+        it that every role reported too (a controller that asks less often than steps end takes
+        several in one call), with the sample counters and the evaluations posted since the last
+        call; None on timeout or stop. Once every role reported a step, its signals and rollout
+        units are forgotten (a role restarted in place re-reads a step only while it is unreported)."""
+        def complete(s: int) -> bool:
+            return all(r in self._reports.get(s, {}) for r in roles)
+
+        if not self._wait(lambda: complete(step), timeout_s):
             return None
-        self._forget(partition_of(step), step)
+        taken = []
+        while complete(step + len(taken)):
+            s = step + len(taken)
+            self._forget(partition_of(s), s)
+            taken.append(self._reports.pop(s))
         evals, self._evals = self._evals, []
-        return self._reports.pop(step), self._counters(), evals
+        return StepsReported(first=step, reports=taken, counters=self._counters(), evals=evals)
 
     # -- evaluation --------------------------------------------------------------------------------
 

@@ -233,6 +233,9 @@ class RoleWorker:
         role = "/".join(self.roles)
         # The loops' reports of a step go in one call once every loop did it (each call to RunState
         # costs both processes CPU); a loop that finished before another failed is still reported.
+        # Where a sole rollout producer asks for its next unit ahead (``RoleEnv.lease_ahead``), they
+        # ride on that call, made during the next step, instead of a call of their own.
+        rides = any(isinstance(loop, RolloutLoop) and loop.sole_producer for loop in self.loops)
         pending: list[StepReport] = []
         try:
             for step in range(min(starts.values(), default=steps), steps):
@@ -246,7 +249,12 @@ class RoleWorker:
                     stats["busy_s"] = time.perf_counter() - started
                     stats["started_at"] = wall
                     pending.append(StepReport(step, str(loop.role), stats))
-                self.state.report.remote(pending)
+                # reports carried since the last step found no lease to ride on: they go now
+                pending, self.env.carried_reports = self.env.carried_reports + pending, []
+                if rides and step + 2 < steps:  # the next step leases ahead for step + 2
+                    self.env.carried_reports = pending
+                else:
+                    self.state.report.remote(pending)
                 pending = []
                 done = step + 1
             role = "rollout"
@@ -257,6 +265,7 @@ class RoleWorker:
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
+            pending, self.env.carried_reports = self.env.carried_reports + pending, []
             if pending:
                 self.state.report.remote(pending)
             raise role_failure(f"role {role} failed at step {done}", exc) from None

@@ -46,8 +46,8 @@ def test_waiters_in_many_threads_wake_on_their_own_signal_and_on_stop() -> None:
         state.announce(partition_of(0), "advantages")
         assert ready.result(timeout=2.0) is not None
         state.report([StepReport(0, "rollout", {"a": 1.0}), StepReport(0, "actor", {"b": 2.0})])
-        got, _, evals = reports.result(timeout=2.0)
-        assert got == {"rollout": {"a": 1.0}, "actor": {"b": 2.0}} and evals == []
+        got = reports.result(timeout=2.0)
+        assert got.first == 0 and got.reports == [{"rollout": {"a": 1.0}, "actor": {"b": 2.0}}] and got.evals == []
         assert not version.done()
         state.stop("boom")
         assert version.result(timeout=2.0) is None  # a stop wakes a waiter, which answers None
@@ -70,3 +70,35 @@ def test_complete_and_lease_acknowledges_the_unit_before_it_leases_the_next_step
     late = state.complete_and_lease("r", 1, nxt.unit["unit"], nxt.unit["attempt"], {}, ["response"], 0, 2, 0.05)
     assert again.unit["step"] == 1 and late is not None and late.unit["step"] == 2
     assert state.lease("r3", 0, 1, 0.05) is None  # step 1 is not done: its unit is r2's now
+
+
+def test_a_wait_for_reports_takes_every_finished_step_from_the_one_asked_and_stops_at_a_gap() -> None:
+    state = RunState(RolloutLedger(steps=6, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    roles = ["rollout", "actor"]
+    state.report([StepReport(s, role, {"step": s}) for s in (0, 1, 2) for role in roles])
+    state.report([StepReport(3, "rollout", {"step": 3}), StepReport(4, "rollout", {"step": 4}),
+                  StepReport(4, "actor", {"step": 4})])  # the actor has not reported step 3
+    state.post_eval({"eval/version": 1.0})
+    got = state.wait_reports(0, roles, 1.0)
+    assert got.first == 0 and [r["actor"]["step"] for r in got.reports] == [0, 1, 2]
+    assert got.evals == [{"eval/version": 1.0}]
+    assert state.wait_reports(3, roles, 0.05) is None  # step 3 still lacks the actor's report
+    state.report([StepReport(3, "actor", {"step": 3})])
+    got = state.wait_reports(3, roles, 1.0)
+    assert [r["rollout"]["step"] for r in got.reports] == [3, 4] and got.evals == []
+    assert state.wait_reports(0, roles, 0.05) is None  # taken steps are gone
+
+
+def test_step_reports_riding_on_a_lease_are_taken_before_it_waits() -> None:
+    state = RunState(RolloutLedger(steps=3, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    first = state.lease("r", 0, 0, 1.0)
+    second = state.complete_and_lease("r", 0, first.unit["unit"], first.unit["attempt"], {}, ["response"], 0, 1,
+                                      1.0, [StepReport(0, "rollout", {"x": 1.0})])
+    assert second.unit["step"] == 1
+    # a lease that finds nothing still records the reports it carried, and the waiter sees them
+    with ThreadPoolExecutor(1) as pool:
+        reports = pool.submit(state.wait_reports, 0, ["rollout", "actor"], 5.0)
+        assert state.lease("r", 0, 1, 0.05, [StepReport(0, "actor", {"y": 2.0})]) is None
+        got = reports.result(timeout=2.0)
+    assert got.reports == [{"rollout": {"x": 1.0}, "actor": {"y": 2.0}}]
+    assert state.progress() == {"rollout": 0, "actor": 0}
