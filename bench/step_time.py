@@ -122,29 +122,40 @@ def cpu_per_step(before: dict[int, tuple[bool, float]], after: dict[int, tuple[b
 
 class StepWatch:
     """Snapshots ``tree_cpu`` when a run has done ``skip`` steps and when it has done all but its
-    last (before the run's end stops its processes), polling ``done()`` (steps done so far) in a
-    thread, so the figure covers steady steps only."""
+    last (before the run's end stops its processes), so the figure covers steady steps only.
+
+    A run in other processes is polled (``done()``: steps done so far, read in a thread); a loop in
+    this process calls ``mark`` after each step instead, because a step of it can be shorter than
+    the poll and its end stops nothing that a late snapshot would still find."""
 
     POLL_S = 0.02
 
-    def __init__(self, done: Callable[[], int], skip: int, steps: int) -> None:
-        self.done, self.skip, self.steps = done, skip, steps
+    def __init__(self, skip: int, steps: int, done: Callable[[], int] | None = None) -> None:
+        self.skip, self.steps = skip, steps
         self.snaps: list[tuple[int, dict[int, tuple[bool, float]]]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if done is not None:
+            self._thread = threading.Thread(target=self._poll, args=(done,), name="cpu-watch", daemon=True)
+            self._thread.start()
 
-    def _run(self) -> None:
+    def _poll(self, done: Callable[[], int]) -> None:
         for target in (self.skip, self.steps - 1):
-            while not self._stop.is_set() and (done := self.done()) < target:
+            while not self._stop.is_set() and (n := done()) < target:
                 self._stop.wait(self.POLL_S)
             if self._stop.is_set():
                 return
+            self.snaps.append((n, tree_cpu()))
+
+    def mark(self, done: int) -> None:
+        """``done`` steps are done (a loop in this process)."""
+        if done in (self.skip, self.steps - 1):
             self.snaps.append((done, tree_cpu()))
 
     def result(self) -> dict[str, float]:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if len(self.snaps) < 2 or self.snaps[1][0] <= self.snaps[0][0]:
             raise SystemExit("the CPU watch missed the run's steady steps; run more --steps than --skip")
         (n0, before), (n1, after) = self.snaps
@@ -169,12 +180,14 @@ def plugins_once(steps: int, skip: int, threads: int) -> tuple[list[float], list
 
     torch.set_num_threads(threads)
     spec = validate_spec(dict(BENCH_SPEC, trainer={"steps": steps}))
+    watch = StepWatch(skip, steps)
     logged = [0]
 
     def log(line: str) -> None:
-        logged[0] += line.startswith("step ")
+        if line.startswith("step "):
+            logged[0] += 1
+            watch.mark(logged[0])
 
-    watch = StepWatch(lambda: logged[0], skip, steps)
     records = run(spec, os.environ.get("RELAX_CACHE", "~/.cache/relax"), steps, log=log)[skip:]
     step_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
     work_s = [r["generate_s"] + r["score_s"] + r["train_s"] for r in records]
@@ -194,7 +207,7 @@ def relax_once(mode: str, steps: int, skip: int, root: Path, tag: str,
                extra: list[str]) -> tuple[list[float], list[float], list[float], dict]:
     placement, staleness = MODES[mode]
     name = f"{mode}-{tag}"
-    watch = StepWatch(lambda: metrics_rows(root / name / "metrics.jsonl"), skip, steps)
+    watch = StepWatch(skip, steps, lambda: metrics_rows(root / name / "metrics.jsonl"))
     rows = run_tiny(name, root, [f"trainer.steps={steps}", f"placement.mode={placement}",
                                  f"async_policy.max_staleness={staleness}", "tracing.exporter=none", *extra])[skip:]
     work = [r["time/rollout_s"] + r["time/reward_s"] + r["time/advantage_s"] + r["time/train_s"] for r in rows]
