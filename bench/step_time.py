@@ -122,13 +122,17 @@ def cpu_per_step(before: dict[int, tuple[bool, float]], after: dict[int, tuple[b
 
 class StepWatch:
     """Snapshots ``tree_cpu`` when a run has done ``skip`` steps and when it has done all but its
-    last (before the run's end stops its processes), so the figure covers steady steps only.
+    last ``END_MARGIN`` (well before the run's end stops its processes), so the figure covers
+    steady steps only.
 
     A run in other processes is polled (``done()``: steps done so far, read in a thread); a loop in
     this process calls ``mark`` after each step instead, because a step of it can be shorter than
-    the poll and its end stops nothing that a late snapshot would still find."""
+    the poll."""
 
     POLL_S = 0.02
+    END_MARGIN = 5
+    """Steps left after the second snapshot: the controller writes rows up to 50 ms late, several at
+    once, and a snapshot taken after the workers ended would miss their CPU."""
 
     def __init__(self, skip: int, steps: int, done: Callable[[], int] | None = None) -> None:
         self.skip, self.steps = skip, steps
@@ -140,7 +144,7 @@ class StepWatch:
             self._thread.start()
 
     def _poll(self, done: Callable[[], int]) -> None:
-        for target in (self.skip, self.steps - 1):
+        for target in (self.skip, self.steps - self.END_MARGIN):
             while not self._stop.is_set() and (n := done()) < target:
                 self._stop.wait(self.POLL_S)
             if self._stop.is_set():
@@ -149,7 +153,7 @@ class StepWatch:
 
     def mark(self, done: int) -> None:
         """``done`` steps are done (a loop in this process)."""
-        if done in (self.skip, self.steps - 1):
+        if done in (self.skip, self.steps - self.END_MARGIN):
             self.snaps.append((done, tree_cpu()))
 
     def result(self) -> dict[str, float]:
@@ -157,8 +161,12 @@ class StepWatch:
         if self._thread is not None:
             self._thread.join()
         if len(self.snaps) < 2 or self.snaps[1][0] <= self.snaps[0][0]:
-            raise SystemExit("the CPU watch missed the run's steady steps; run more --steps than --skip")
+            raise SystemExit(f"the CPU watch missed the run's steady steps; run more --steps than --skip + {self.END_MARGIN}")
         (n0, before), (n1, after) = self.snaps
+        ended = [pid for pid, (work, _) in before.items() if work and pid not in after]
+        if ended:
+            raise SystemExit(f"the CPU watch's second snapshot came after role workers {ended} ended: "
+                             "the figure would leave out their CPU")
         return cpu_per_step(before, after, n1 - n0)
 
 
