@@ -84,8 +84,13 @@ class RoleEnv:
     _lease_ahead: tuple[int, Any] | None = None
     """A lease asked ahead (``lease_ahead``): its step and the pending call."""
     carried_reports: list[StepReport] = field(default_factory=list)
-    """Step reports that ride on the next lease asked ahead instead of a call of their own
-    (``RoleWorker.run``; ``lease_ahead`` sends them)."""
+    """Step reports that ride on this worker's next call to ``RunState`` that takes them instead of
+    a call of their own (``RoleWorker.run``): a lease asked ahead, or a publish of weights."""
+
+    def take_carried_reports(self) -> list[StepReport] | None:
+        """The ``carried_reports`` for the call being made (None when there are none), now taken."""
+        reports, self.carried_reports = self.carried_reports, []
+        return reports or None
 
     def build_trainer(self, wiring: RoleWiring) -> Any:
         """A model role's backend as its wiring plans it (the trainer, and the actor's loss): in this
@@ -150,7 +155,7 @@ class RoleEnv:
         ``acknowledging``: the arguments of a ``RunState.complete`` not yet sent, sent in the same
         call (``complete_and_lease``), with the ``carried_reports``."""
         k = self.settings.max_staleness
-        reports, self.carried_reports = self.carried_reports or None, []
+        reports = self.take_carried_reports()
         if acknowledging is None:
             asked = self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S, reports)
         else:

@@ -94,8 +94,11 @@ class RunState:
     # -- weights ------------------------------------------------------------------------------
 
     @_locked
-    def publish(self, version: int, weights: list[Any]) -> None:
-        """The actor's new policy: ``weights`` is ``[ObjectRef]`` (a list, so it is not resolved)."""
+    def publish(self, version: int, weights: list[Any], reports: list[StepReport] | None = None) -> None:
+        """The actor's new policy: ``weights`` is ``[ObjectRef]`` (a list, so it is not resolved).
+        ``reports``: the worker's step reports riding on the call (``report``)."""
+        if reports:
+            self.report(reports)
         self._version, self._weights = version, weights
         self._notify()
 

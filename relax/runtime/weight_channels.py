@@ -153,13 +153,13 @@ class ObjectStoreWeights:
         self.settle()
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-publish")
-        self._sending = self._sender.submit(self._send, version, weights)
+        self._sending = self._sender.submit(self._send, version, weights, self.env.take_carried_reports())
 
-    def _send(self, version: int, weights: dict[str, Any]) -> None:
+    def _send(self, version: int, weights: dict[str, Any], reports: list[Any] | None) -> None:
         # The call is not awaited: calls from one process to one actor run in order, and the
         # reference keeps the weights alive in this process's object store until a newer version
         # replaces them.
-        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))])
+        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))], reports)
 
     def settle(self) -> None:
         sending, self._sending = self._sending, None
@@ -199,7 +199,8 @@ class CollectiveWeights:
 
     def publish(self, version: int, weights: dict[str, Any]) -> None:
         self.snapshot = (version, weights)  # before the version is announced: a pull sends >= it
-        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))] if self.object_store else [])
+        self.env.state.publish.remote(version, [ray.put(PackedWeights.of(weights))] if self.object_store else [],
+                                      self.env.take_carried_reports())
 
     def settle(self) -> None:
         pass

@@ -233,9 +233,7 @@ class RoleWorker:
         role = "/".join(self.roles)
         # The loops' reports of a step go in one call once every loop did it (each call to RunState
         # costs both processes CPU); a loop that finished before another failed is still reported.
-        # Where a sole rollout producer asks for its next unit ahead (``RoleEnv.lease_ahead``), they
-        # ride on that call, made during the next step, instead of a call of their own.
-        rides = any(isinstance(loop, RolloutLoop) and loop.sole_producer for loop in self.loops)
+        # Where the next step makes a call that can take them (``reports_ride``), they ride on it.
         pending: list[StepReport] = []
         try:
             for step in range(min(starts.values(), default=steps), steps):
@@ -251,7 +249,7 @@ class RoleWorker:
                     pending.append(StepReport(step, str(loop.role), stats))
                 # reports carried since the last step found no lease to ride on: they go now
                 pending, self.env.carried_reports = self.env.carried_reports + pending, []
-                if rides and step + 2 < steps:  # the next step leases ahead for step + 2
+                if self.reports_ride(step):
                     self.env.carried_reports = pending
                 else:
                     self.state.report.remote(pending)
@@ -272,6 +270,20 @@ class RoleWorker:
         finally:
             self.env.telemetry.flush()
         return {"roles": self.roles, "steps_done": done, "stopped": False}
+
+    def reports_ride(self, step: int) -> bool:
+        """Whether a call to ``RunState`` that this worker makes during step ``step + 1`` takes the
+        reports of ``step`` (``RoleEnv.carried_reports``), one call a step fewer: the lease a sole
+        rollout producer asks ahead (for ``step + 2``), or the actor's publish of its next version
+        (separate and hybrid modes)."""
+        steps = self.settings.steps
+        for loop in self.loops:
+            if isinstance(loop, RolloutLoop) and loop.sole_producer and step + 2 < steps:
+                return True
+            if isinstance(loop, ActorLoop) and isinstance(loop.weights, (ObjectStoreWeights, CollectiveWeights)) \
+                    and step + 1 < steps:
+                return True
+        return False
 
     def serve(self) -> dict[str, Any]:
         """An extra rollout replica: produce units until the run needs no more or it is drained."""

@@ -73,8 +73,15 @@ def test_versions_published_in_the_background_reach_run_state_in_order(local_ray
     last, and ``settle`` returns once it has."""
     from relax.runtime.run_state import RunState
 
-    state = ray.remote(RunState).options(num_cpus=0, max_concurrency=8).remote()
-    env = SimpleNamespace(state=state, timeout_s=30.0)
+    from relax.runtime.ledger import RolloutLedger
+    from relax.runtime.records import StepReport
+
+    ledger = RolloutLedger(steps=6, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2)
+    state = ray.remote(RunState).options(num_cpus=0, max_concurrency=8).remote(ledger)
+    # the worker's step reports waiting to ride (RoleEnv.carried_reports): those of step v - 2
+    carried = {v: [StepReport(v - 2, "actor", {"v": v})] for v in range(3, 6)}
+    version = 0
+    env = SimpleNamespace(state=state, timeout_s=30.0, take_carried_reports=lambda: carried.pop(version, None))
     channel = ObjectStoreWeights(env)
     seen = []
     for version in range(1, 6):
@@ -85,6 +92,8 @@ def test_versions_published_in_the_background_reach_run_state_in_order(local_ray
     newest = ray.get(state.wait_version.remote(5, 30.0))
     assert newest.version == 5
     assert torch.equal(unpacked(ray.get(newest.weights[0]))["w"], torch.full((3,), 5.0))
+    got = ray.get(state.wait_reports.remote(1, ["actor"], 30.0))  # the reports rode on the publishes
+    assert [r["actor"]["v"] for r in got.reports] == [3, 4, 5]
     ray.kill(state)
 
 
@@ -93,7 +102,7 @@ def test_a_failed_background_publish_is_raised_by_the_next_one() -> None:
         def __getattr__(self, name):
             raise ConnectionError("RunState is gone")
 
-    channel = ObjectStoreWeights(SimpleNamespace(state=Broken(), timeout_s=5.0))
+    channel = ObjectStoreWeights(SimpleNamespace(state=Broken(), timeout_s=5.0, take_carried_reports=lambda: None))
     channel.publish(1, {"w": torch.ones(2)})  # returns at once: the failure is in the background
     with pytest.raises(ConnectionError, match="RunState is gone"):
         channel.publish(2, {"w": torch.ones(2)})
