@@ -13,7 +13,7 @@ from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleInstance
 from relax.plan.placement import gpu_fractions, plan_placement
 from relax.plan.render import render
 from relax.plan.topology import bus_fields, staleness_schedule, weight_sync_edges
-from relax.plan.wiring import plan_workers, rollout_replica, rollout_work, run_settings
+from relax.plan.wiring import crowded_cores_note, plan_workers, rollout_replica, rollout_work, run_settings
 from relax.registry import PluginError, get_registry, trait
 from relax.roles import EVALUATION, Role
 from relax.spec.architecture import ModelArchitecture
@@ -161,6 +161,9 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
             if issues:
                 raise SpecError(issues)
     workers = plan_workers(spec, instances, base_dir or Path.cwd(), arch=arch)
+    crowded = crowded_cores_note(spec, workers)
+    if crowded is not None:
+        notes.append(crowded)
     return Plan(
         run=spec.name, mode=spec.placement.mode, nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,

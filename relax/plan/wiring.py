@@ -350,6 +350,23 @@ def torch_threads(cores: int, model_processes: int, arch: ModelArchitecture | No
     return min(share, max(2, arch.hidden_size // HIDDEN_PER_THREAD))
 
 
+def crowded_cores_note(spec: RunSpec, workers: list[WorkerPlan], cores: int | None = None) -> str | None:
+    """A note for a CPU-only run on this machine outside colocate mode whose ``cores`` (default:
+    those this process may run on) give each model process a single torch thread: separate mode
+    overlaps generating with training only on cores it has to spare, and its workers, the bus and
+    the run state then take turns on the same ones. On the 2-core box the tiny preset ran separate
+    mode at 0.6-0.9x of colocate's speed, and at 1.1x on 16 cores (docs/runtime.md)."""
+    if spec.placement.mode == "colocate" or spec.cluster.address is not None or spec.cluster.gpus_per_node:
+        return None
+    cores = cores or available_cores()
+    model = [w for w in workers if MODEL_ROLES & set(w.role_names)]
+    if len(model) < 2 or cores >= 2 * len(model):
+        return None
+    return (f"{len(model)} model processes share this machine's {cores} core{'s' if cores > 1 else ''}, one torch "
+            f"thread each: {spec.placement.mode} mode overlaps generating with training only on spare cores, so "
+            "placement.mode=colocate is likely faster here (docs/runtime.md)")
+
+
 def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
                  cores: int | None = None, arch: ModelArchitecture | None = None) -> list[WorkerPlan]:
     """One worker process per planned bundle: roles whose first instances share a bundle share a

@@ -360,3 +360,14 @@ def test_the_tiny_preset_s_workers_get_the_threads_its_width_uses(tmp_path: Path
         many = plan_workers(spec, instances, tmp_path, cores=16, arch=arch)
         assert {w.threads for w in many} == {2}, (mode, [w.threads for w in many])
         assert {w.threads for w in plan_workers(spec, instances, tmp_path, cores=16)} == {16 // len(many)}
+
+
+def test_a_cpu_run_whose_cores_give_each_model_process_one_thread_is_pointed_to_colocate(monkeypatch) -> None:
+    from relax.plan import wiring
+
+    monkeypatch.setattr(wiring, "available_cores", lambda: 2)
+    crowded = [n for n in plan_of("tiny-cpu")[1].notes if "placement.mode=colocate" in n]
+    assert len(crowded) == 1 and "2 model processes share this machine's 2 cores" in crowded[0]
+    assert not any("placement.mode=colocate" in n for n in plan_of("tiny-cpu", "placement.mode=colocate", "async_policy.max_staleness=0")[1].notes)
+    monkeypatch.setattr(wiring, "available_cores", lambda: 4)  # two threads a model process
+    assert not any("placement.mode=colocate" in n for n in plan_of("tiny-cpu")[1].notes)
