@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.plan.model import Plan
+from relax.plan.wiring import crowded_cores_note
 from relax.spec.architecture import BUILTIN_PREFIX
 from relax.spec.models import RunSpec
 
@@ -71,6 +72,9 @@ def banner(spec: RunSpec, plan: Plan, output_dir: Path, *, start_step: int = 0) 
              f"  output   {output_dir}",
              f"  model    {spec.model.path}"]
     lines += [f"  worker   {line}" for line in worker_lines(plan)]
+    crowded = crowded_cores_note(spec, plan.workers)
+    if crowded is not None:  # the one note of the plan that changes what a user would run
+        lines.append(f"  note     {crowded}")
     return "\n".join(lines) + "\n"
 
 

@@ -189,3 +189,14 @@ def test_a_real_run_explains_itself_and_its_trace_has_every_role(local_ray, tmp_
     assert "steps 3 (1..3)" in trace and "before the first step's work (not counted as idle)" in trace
     roles = {line.split()[0] for line in trace.splitlines()[3:] if line.startswith("  ") and not line.startswith("  rollout ")}
     assert {"reference", "actor", "reward", "advantage"} <= roles
+
+
+def test_the_banner_of_a_separate_cpu_run_on_too_few_cores_points_to_colocate(tmp_path, monkeypatch):
+    from relax.plan import wiring
+
+    monkeypatch.setattr(wiring, "available_cores", lambda: 2)
+    spec, plan = spec_and_plan("tiny-cpu")
+    note = banner(spec, plan, tmp_path).splitlines()[-1]
+    assert note.startswith("  note     2 model processes share this machine's 2 cores") and "colocate" in note
+    monkeypatch.setattr(wiring, "available_cores", lambda: 8)
+    assert "note" not in banner(spec, plan, tmp_path)
