@@ -247,8 +247,8 @@ class RoleWorker:
                     stats["busy_s"] = time.perf_counter() - started
                     stats["started_at"] = wall
                     pending.append(StepReport(step, str(loop.role), stats))
-                # reports carried since the last step found no lease to ride on: they go now
-                pending, self.env.carried_reports = self.env.carried_reports + pending, []
+                # reports carried since the last step found no call to ride on: they go now
+                pending = (self.env.take_carried_reports() or []) + pending
                 if self.reports_ride(step):
                     self.env.carried_reports = pending
                 else:
@@ -263,7 +263,7 @@ class RoleWorker:
         except RunStopped:
             return {"roles": self.roles, "steps_done": done, "stopped": True}
         except Exception as exc:
-            pending, self.env.carried_reports = self.env.carried_reports + pending, []
+            pending = (self.env.take_carried_reports() or []) + pending
             if pending:
                 self.state.report.remote(pending)
             raise role_failure(f"role {role} failed at step {done}", exc) from None
