@@ -17,9 +17,6 @@ from relax.bus.errors import BusError
 if TYPE_CHECKING:  # the records themselves need only torch: no TransferQueue in a process without a bus
     from relax.bus.transferqueue import BatchMeta
 
-#: The metadata keys the bus itself understands; anything else a producer sets lands in ``extra``.
-_KNOWN_META_KEYS = ("policy_version", "sample_id", "trace")
-
 
 @dataclass(frozen=True)
 class RowMeta:
@@ -37,7 +34,8 @@ class RowMeta:
     trace: dict[str, str] = field(default_factory=dict)
     """OpenTelemetry carrier (``propagate.inject(carrier)``), so one trace follows the row."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Any other small, picklable values a producer wants consumers to see (e.g. a group id)."""
+    """Any other small, picklable values a producer wants consumers to see (e.g. a group id): every
+    key of a tag but the three above."""
 
     def to_tag(self) -> dict[str, Any]:
         """The flat dict stored as the row's TransferQueue tag."""
@@ -47,16 +45,16 @@ class RowMeta:
 
     @classmethod
     def from_tag(cls, tag: Mapping[str, Any]) -> RowMeta:
-        """Rebuild from a tag; raises ``BusError`` naming what is missing."""
-        missing = [k for k in ("policy_version", "sample_id") if k not in tag]
-        if missing:
-            raise BusError(f"row metadata {dict(tag)!r} lacks required key(s) {missing}")
-        return cls(
-            policy_version=int(tag["policy_version"]),
-            sample_id=str(tag["sample_id"]),
-            trace=dict(tag.get("trace") or {}),
-            extra={k: v for k, v in tag.items() if k not in _KNOWN_META_KEYS},
-        )
+        """Rebuild from a tag; raises ``BusError`` naming what is missing. (Every row of every step
+        passes here: one copy of the tag becomes ``extra``, rather than a comprehension over it.)"""
+        extra = dict(tag)
+        try:
+            policy_version, sample_id = int(extra.pop("policy_version")), str(extra.pop("sample_id"))
+        except KeyError:
+            missing = [k for k in ("policy_version", "sample_id") if k not in tag]
+            raise BusError(f"row metadata {dict(tag)!r} lacks required key(s) {missing}") from None
+        trace = extra.pop("trace", None)
+        return cls(policy_version, sample_id, dict(trace) if trace else {}, extra)
 
     @classmethod
     def coerce(cls, value: RowMeta | Mapping[str, Any]) -> RowMeta:

@@ -74,15 +74,21 @@ def links_from(sources: Iterable[Any]) -> list[trace.Link]:
     """
     counts: dict[tuple[str | None, str | None], int] = {}
     carriers: dict[tuple[str | None, str | None], Carrier] = {}
-    for source in sources:
-        carrier = getattr(source, "trace", None)
-        if carrier is None and isinstance(source, Mapping):
-            carrier = source["trace"] if "trace" in source else source
+    last: Carrier | None = None
+    key: tuple[str | None, str | None] = (None, None)
+    for source in sources:  # every row of a step: the rows of one batch usually share one carrier
+        if isinstance(source, dict):
+            carrier = source.get("trace", source)
+        else:
+            carrier = getattr(source, "trace", None)
+            if carrier is None and isinstance(source, Mapping):
+                carrier = source["trace"] if "trace" in source else source
         if not carrier:
             continue
-        key = (carrier.get("traceparent"), carrier.get("tracestate"))
-        if key not in counts:
-            counts[key], carriers[key] = 0, carrier
+        if carrier is not last:
+            key, last = (carrier.get("traceparent"), carrier.get("tracestate")), carrier
+            if key not in counts:
+                counts[key], carriers[key] = 0, carrier
         counts[key] += 1
     links = []
     for key, carrier in carriers.items():

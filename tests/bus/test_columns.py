@@ -112,7 +112,12 @@ def test_row_meta_round_trips_through_its_tag() -> None:
     meta = RowMeta(policy_version=3, sample_id="p1-s0", trace=trace, extra={"group": 1})
     tag = meta.to_tag()
     assert tag == {"policy_version": 3, "sample_id": "p1-s0", "trace": trace, "group": 1}
-    assert RowMeta.from_tag(tag) == meta
+    back = RowMeta.from_tag(tag)
+    assert back == meta
+    assert tag["sample_id"] == "p1-s0" and "group" in tag  # the tag is read, not emptied
+    back.trace["tracestate"] = "x"  # each row owns its carrier and extras
+    back.extra["group"] = 2
+    assert tag["trace"] == {"traceparent": "00-ab-cd-01"} and tag["group"] == 1
 
 
 def test_row_meta_requires_version_and_id() -> None:
