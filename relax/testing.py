@@ -144,7 +144,7 @@ class LiveRun:
                 break
         return rows
 
-    def until(self, what: str, check: Any, timeout_s: float) -> Any:
+    def until(self, what: str, check: Any, timeout_s: float, poll_s: float = 0.2) -> Any:
         """Poll ``check()`` until it returns something true (returned); fails if the run ends first."""
         import time
 
@@ -154,12 +154,12 @@ class LiveRun:
                 return found
             if self.process.poll() is not None:
                 raise RuntimeError(f"the run ended (exit {self.process.returncode}) before {what}:\n{self.output()}")
-            time.sleep(0.2)
+            time.sleep(poll_s)
         raise TimeoutError(f"no {what} after {timeout_s:.0f} s:\n{self.output()}")
 
-    def wait_rows(self, n: int, timeout_s: float = 300) -> list[dict[str, Any]]:
+    def wait_rows(self, n: int, timeout_s: float = 300, poll_s: float = 0.2) -> list[dict[str, Any]]:
         """Block until metrics.jsonl has ``n`` step rows."""
-        return self.until(f"{n} step rows", lambda: len(self.rows()) >= n and self.rows(), timeout_s)
+        return self.until(f"{n} step rows", lambda: len(self.rows()) >= n and self.rows(), timeout_s, poll_s)
 
     def status(self, timeout_s: float = 120) -> dict[str, Any]:
         """The controller's ``GET /status`` (waits for the controller to be up)."""
@@ -178,19 +178,26 @@ class LiveRun:
         return self.until(f"a ready worker hosting {role}", lambda: next(
             (w for w in self.status()["workers"] if role in w["roles"] and w["pid"]), None), 120)
 
-    def signal_worker(self, role: str, signal: int) -> dict[str, Any]:
-        """Send ``signal`` to the process of the worker hosting ``role``; returns that worker."""
+    def signal_worker(self, role: str, signal: int, at_rows: int | None = None) -> dict[str, Any]:
+        """Send ``signal`` to the process of the worker hosting ``role``; returns that worker, with
+        ``signalled_at`` (``time.time()``). ``at_rows``: once metrics.jsonl has that many rows, seen
+        within 10 ms (the worker is found first): a tiny step takes tens of ms, so a test that
+        waited for rows and then looked the worker up could find the run finished."""
         import os
+        import time
 
         found = self.worker(role)
+        if at_rows is not None:
+            self.wait_rows(at_rows, poll_s=0.01)
+        found["signalled_at"] = time.time()
         os.kill(found["pid"], signal)
         return found
 
-    def kill_worker(self, role: str) -> dict[str, Any]:
-        """``kill -9`` the worker process hosting ``role``."""
+    def kill_worker(self, role: str, at_rows: int | None = None) -> dict[str, Any]:
+        """``kill -9`` the worker process hosting ``role`` (``at_rows``: see ``signal_worker``)."""
         import signal
 
-        return self.signal_worker(role, signal.SIGKILL)
+        return self.signal_worker(role, signal.SIGKILL, at_rows)
 
     def scale(self, replicas: int) -> dict[str, Any]:
         from relax.runtime.control import control_call

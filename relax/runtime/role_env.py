@@ -81,8 +81,10 @@ class RoleEnv:
     def staleness_bound(self) -> int:
         """The bound a rollout admits its current unit under: the last lease's, else the fixed one."""
         return self.settings.max_staleness if self.bound is None else self.bound
-    _lease_ahead: tuple[int, Any] | None = None
-    """A lease asked ahead (``lease_ahead``): its step and the pending call."""
+    _lease_ahead: tuple[list[int], Any] | None = None
+    """Leases asked ahead (``lease_ahead``): their steps and the pending call."""
+    _granted: dict[int, Lease] = field(default_factory=dict)
+    """Leases granted ahead of their step, by step."""
     carried_reports: list[StepReport] = field(default_factory=list)
     """Step reports that ride on this worker's next call to ``RunState`` that takes them instead of
     a call of their own (``RoleWorker.run``): a lease asked ahead, or a publish of weights."""
@@ -136,31 +138,35 @@ class RoleEnv:
         remembered for ``wait_version``. A lease asked ahead for this step (``lease_ahead``) is
         taken first: usually it is granted by now, and the rollout waits for nothing."""
         k = self.settings.max_staleness
-        ahead, self._lease_ahead = self._lease_ahead, None
-        asks = [ahead[1]] if ahead is not None and ahead[0] == only_step else []
-
-        def ask(slice_s: float) -> Any:
-            return asks.pop() if asks else self.state.lease.remote(self.holder, k, only_step, slice_s)
-
-        got = self.wait_for(ask, f"lease{(self.holder, k, only_step)}")
+        what = f"lease{(self.holder, k, only_step)}"
+        ahead = self._lease_ahead
+        if only_step not in self._granted and ahead is not None and only_step in ahead[0]:
+            self._lease_ahead = None
+            with self.activity.waiting(what):
+                answer = self.call(ahead[1])
+            for got in answer or ():
+                self._granted[got.unit["step"] if got.unit is not None else only_step] = got
+        got = self._granted.pop(only_step, None)
+        if got is None:  # none asked ahead, or its wait ran out: ask until it is granted
+            got = self.wait_for(lambda slice_s: self.state.lease.remote(self.holder, k, only_step, slice_s), what)
         self.leased_policy = got.policy
         if got.bound is not None:
             self.bound = got.bound
         return got
 
-    def lease_ahead(self, step: int, acknowledging: tuple[Any, ...] | None = None) -> None:
-        """Ask now for the unit of ``step`` that the next ``lease(step)`` takes (RunState holds the
-        call until the staleness bound admits it), so the answer travels while this worker does
-        other work. A unit granted to a worker that then fails goes back to the ledger like any.
-        ``acknowledging``: the arguments of a ``RunState.complete`` not yet sent, sent in the same
-        call (``complete_and_lease``), with the ``carried_reports``."""
-        k = self.settings.max_staleness
-        reports = self.take_carried_reports()
-        if acknowledging is None:
-            asked = self.state.lease.remote(self.holder, k, step, WAIT_SLICE_S, reports)
-        else:
-            asked = self.state.complete_and_lease.remote(*acknowledging, k, step, WAIT_SLICE_S, reports)
-        self._lease_ahead = (step, asked)
+    def leased_ahead(self, step: int) -> bool:
+        """Whether a lease for ``step`` was asked ahead (granted or on its way)."""
+        return step in self._granted or (self._lease_ahead is not None and step in self._lease_ahead[0])
+
+    def lease_ahead(self, steps: list[int], acknowledging: list[tuple[Any, ...]]) -> None:
+        """Ask now for the units of ``steps`` that the next ``lease`` calls take (RunState holds the
+        call until the staleness bound admits the first), so the answer travels while this worker
+        does other work. A unit granted to a worker that then fails goes back to the ledger like
+        any. ``acknowledging``: ``RunState.complete`` arguments not yet sent (without the holder),
+        sent in the same call (``complete_and_lease``), with the ``carried_reports``."""
+        asked = self.state.complete_and_lease.remote(self.holder, acknowledging, self.settings.max_staleness,
+                                                     steps, WAIT_SLICE_S, self.take_carried_reports())
+        self._lease_ahead = (steps, asked)
 
     def wait_version(self, min_version: int) -> PolicyVersion:
         """The newest published policy once it is at least ``min_version`` (the one the last lease

@@ -196,16 +196,31 @@ class RunState:
         self._notify()
         return UnitDone(accepted=accepted, step_stats=self._ledger.step_stats(step) if done else None)
 
-    def complete_and_lease(self, holder: str, step: int, unit: int, attempt: int, stats: dict[str, Any],
-                           columns: list[str], max_staleness: int, only_step: int | None,
-                           timeout_s: float, reports: list[StepReport] | None = None) -> Lease | None:
-        """``complete`` the unit, then ``lease`` the next one (which may wait): one call instead of
-        two for a sole producer that asks for its next step's unit as soon as it acknowledges this
-        one (colocate mode, where the acknowledgement is not awaited). Every call between processes
-        costs CPU on both sides: with the previous step's reports riding on it, a colocated worker
-        makes one call a step, not three."""
-        self.complete(holder, step, unit, attempt, stats, columns)
-        return self.lease(holder, max_staleness, only_step, timeout_s, reports)
+    def complete_and_lease(self, holder: str, acks: list[tuple[Any, ...]], max_staleness: int, steps: list[int],
+                           timeout_s: float, reports: list[StepReport] | None = None) -> list[Lease] | None:
+        """``complete`` each of ``acks`` (``(step, unit, attempt, stats, columns)``), then ``lease``
+        the next unit of each of ``steps`` for ``holder``: one call instead of several for a sole
+        producer that asks for its next steps' units as soon as it acknowledges its last ones
+        (colocate mode, where acknowledgements are not awaited, asks for the steps of about
+        ``LEASE_WINDOW_S`` at once). Every call between processes costs CPU on both sides: with
+        the worker's step reports riding on it, a colocated worker makes one call every few steps.
+
+        The first lease may wait (``timeout_s``; None when it ran out or the run stopped); the
+        answer lists the leases in step order and ends at the first that is not a unit."""
+        for step, unit, attempt, stats, columns in acks:
+            self.complete(holder, step, unit, attempt, stats, columns)
+        if not steps:
+            return []
+        first = self.lease(holder, max_staleness, steps[0], timeout_s, reports)
+        if first is None:
+            return None
+        granted = [first]
+        for step in steps[1:] if first.unit is not None else ():
+            got = self.lease(holder, max_staleness, step, 0.0)
+            if got is None or got.unit is None:
+                break
+            granted.append(got)
+        return granted
 
     @_locked
     def release(self, holder: str) -> int:

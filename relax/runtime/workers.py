@@ -277,10 +277,11 @@ class RoleWorker:
         return {"roles": self.roles, "steps_done": done, "stopped": False}
 
     def reports_ride(self, step: int) -> bool:
-        """Whether a call to ``RunState`` that this worker makes during step ``step + 1`` takes the
+        """Whether a call to ``RunState`` that this worker makes during a later step takes the
         reports of ``step`` (``RoleEnv.carried_reports``), one call a step fewer: the lease a sole
-        rollout producer asks ahead (for ``step + 2``), or the actor's publish of its next version
-        (separate and hybrid modes)."""
+        rollout producer asks ahead (every step, or every few short steps in colocate mode:
+        ``LEASE_WINDOW_S``; reports carried meanwhile wait for it), or the actor's publish of its
+        next version (separate and hybrid modes). The last steps report by themselves."""
         steps = self.settings.steps
         for loop in self.loops:
             if isinstance(loop, RolloutLoop) and loop.sole_producer and step + 2 < steps:

@@ -67,8 +67,7 @@ def test_the_undisturbed_run_counts_every_sample_once(reference) -> None:
 
 def test_a_killed_rollout_restarts_in_place_and_loses_or_repeats_nothing(tmp_path, reference) -> None:
     run = LiveRun(tmp_path, "kill-rollout", *FAULTS).start()
-    run.wait_rows(2)
-    killed = run.kill_worker("rollout")
+    killed = run.kill_worker("rollout", at_rows=2)
     span = restarted_once_in_place(run, reference)
     assert span["attributes"]["relax.role"] == killed["holder"]
     assert "process died" in span["attributes"]["relax.reason"]
@@ -97,8 +96,7 @@ def test_a_killed_evaluation_worker_restarts_in_place_and_training_is_untouched(
 
 def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_path, reference) -> None:
     run = LiveRun(tmp_path, "kill-actor", *FAULTS).start()
-    run.wait_rows(3)
-    run.kill_worker("actor")
+    run.kill_worker("actor", at_rows=3)
     assert run.wait() == 0, run.output()
     rows = run.rows()
     same_data(rows, reference)
@@ -112,9 +110,8 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_pat
 
 def test_a_frozen_rollout_is_found_within_the_heartbeat_timeout_and_restarted(tmp_path, reference) -> None:
     run = LiveRun(tmp_path, "hang-rollout", *FAULTS).start()
-    run.wait_rows(2)
-    frozen_at = time.time()
-    run.signal_worker("rollout", signal.SIGSTOP)  # alive but making no progress, like a hung engine
+    # alive but making no progress, like a hung engine
+    frozen_at = run.signal_worker("rollout", signal.SIGSTOP, at_rows=2)["signalled_at"]
     assert run.wait() == 0, run.output()
     rows = run.rows()
     same_data(rows, reference)
@@ -129,8 +126,7 @@ def test_a_frozen_rollout_is_found_within_the_heartbeat_timeout_and_restarted(tm
 
 def test_a_hung_rollout_past_its_restart_budget_stops_the_run_with_a_report(tmp_path) -> None:
     run = LiveRun(tmp_path, "hang-stop", *FAULTS, "fault_tolerance.roles.rollout.max_restarts=0").start()
-    run.wait_rows(1)
-    run.signal_worker("rollout", signal.SIGSTOP)
+    run.signal_worker("rollout", signal.SIGSTOP, at_rows=1)
     assert run.wait() == 1
     assert "max_restarts=0" in run.output() and "no heartbeat" in run.output()
 

@@ -56,20 +56,37 @@ def test_waiters_in_many_threads_wake_on_their_own_signal_and_on_stop() -> None:
     assert state.wait_ready(0, ["advantages"], 0.01) is None
 
 
-def test_complete_and_lease_acknowledges_the_unit_before_it_leases_the_next_step_s() -> None:
+def test_complete_and_lease_acknowledges_the_units_before_it_leases_the_next_steps_s() -> None:
     state = RunState(RolloutLedger(steps=3, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
     first = state.lease("r", 0, 0, 1.0)
-    nxt = state.complete_and_lease("r", 0, first.unit["unit"], first.unit["attempt"], {"rollout_s": 0.1},
-                                   ["response"], 0, 1, 1.0)
-    assert nxt is not None and nxt.unit["step"] == 1  # step 1's unit, granted (only_step: no version gate)
+    [nxt] = state.complete_and_lease("r", [(0, first.unit["unit"], first.unit["attempt"], {"rollout_s": 0.1},
+                                            ["response"])], 0, [1], 1.0)
+    assert nxt.unit["step"] == 1  # step 1's unit, granted (only_step: no version gate)
     assert state.step_stats(0) == [{"rollout_s": 0.1}]  # step 0 acknowledged, its stats kept
     assert state.lease("r", 0, 0, 0.05).done  # nothing of step 0 is left to lease
     # a revoked lease is acknowledged as not accepted, and the next lease is still granted
     state.release("r")
     again = state.lease("r2", 0, 1, 1.0)
-    late = state.complete_and_lease("r", 1, nxt.unit["unit"], nxt.unit["attempt"], {}, ["response"], 0, 2, 0.05)
-    assert again.unit["step"] == 1 and late is not None and late.unit["step"] == 2
+    late = state.complete_and_lease("r", [(1, nxt.unit["unit"], nxt.unit["attempt"], {}, ["response"])], 0, [2], 0.05)
+    assert again.unit["step"] == 1 and [g.unit["step"] for g in late] == [2]
     assert state.lease("r3", 0, 1, 0.05) is None  # step 1 is not done: its unit is r2's now
+
+
+def test_one_call_acknowledges_several_steps_and_leases_several_ending_at_the_first_not_granted() -> None:
+    state = RunState(RolloutLedger(steps=6, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    [a] = state.complete_and_lease("r", [], 0, [0], 1.0)
+    b, c, d = state.complete_and_lease("r", [(0, 0, a.unit["attempt"], {"s": 0}, ["response"])], 0, [1, 2, 3], 1.0)
+    assert [g.unit["step"] for g in (b, c, d)] == [1, 2, 3]
+    assert state.lease("other", 0, 2, 0.05) is None  # step 2's only unit is r's already
+    acks = [(s, 0, g.unit["attempt"], {"s": s}, ["response"]) for s, g in ((1, b), (2, c), (3, d))]
+    assert state.complete_and_lease("r", acks, 0, [], 1.0) == []  # acknowledging only
+    assert [state.step_stats(s) for s in (1, 2, 3)] == [[{"s": 1}], [{"s": 2}], [{"s": 3}]]
+    # a step whose unit someone else holds ends the answer; a done step answers done
+    held = state.lease("other", 0, 5, 1.0)
+    got = state.complete_and_lease("r", [], 0, [4, 5], 1.0)
+    assert held.unit["step"] == 5 and [g.unit["step"] for g in got] == [4]
+    assert [g.done for g in state.complete_and_lease("r", [], 0, [3], 1.0)] == [True]
+    assert state.complete_and_lease("r", [], 0, [5], 0.05) is None  # step 5 not done, its unit held: wait ran out
 
 
 def test_a_wait_for_reports_takes_every_finished_step_from_the_one_asked_and_stops_at_a_gap() -> None:
@@ -92,8 +109,8 @@ def test_a_wait_for_reports_takes_every_finished_step_from_the_one_asked_and_sto
 def test_step_reports_riding_on_a_lease_are_taken_before_it_waits() -> None:
     state = RunState(RolloutLedger(steps=3, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
     first = state.lease("r", 0, 0, 1.0)
-    second = state.complete_and_lease("r", 0, first.unit["unit"], first.unit["attempt"], {}, ["response"], 0, 1,
-                                      1.0, [StepReport(0, "rollout", {"x": 1.0})])
+    [second] = state.complete_and_lease("r", [(0, first.unit["unit"], first.unit["attempt"], {}, ["response"])], 0,
+                                        [1], 1.0, [StepReport(0, "rollout", {"x": 1.0})])
     assert second.unit["step"] == 1
     # a lease that finds nothing still records the reports it carried, and the waiter sees them
     with ThreadPoolExecutor(1) as pool:

@@ -41,6 +41,12 @@ if TYPE_CHECKING:
     from relax.runtime.roles.reward import RewardLoop
 
 
+#: Colocate: a lease asked ahead covers the steps of about this long (their acknowledgements and
+#: reports ride on it, so they reach ``RunState`` at most this late), and at most this many steps.
+LEASE_WINDOW_S = 0.1
+LEASE_STEPS_MAX = 8
+
+
 class RolloutLoop:
     """Generates a step's samples once the staleness bound admits it, and puts them on the bus."""
 
@@ -103,9 +109,12 @@ class RolloutLoop:
         self._putter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-put")
         """A sole producer's puts run here, one at a time, while it generates the next step."""
         self._putting: Future | None = None
-        self._acknowledging: tuple[Any, ...] | None = None
-        """Colocate: this step's ``RunState.complete`` arguments, sent by ``step`` (with the next
-        step's lease when it asks for one ahead)."""
+        self._acknowledging: list[tuple[Any, ...]] = []
+        """Colocate: the ``RunState.complete`` arguments (less the holder) of the steps produced
+        since the last lease asked ahead, sent by ``step`` with the next one."""
+        self._step_started = 0.0
+        self._step_s = 0.0
+        """The time between the starts of the last two steps here (the worker's pace)."""
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -117,19 +126,35 @@ class RolloutLoop:
         """The step's rollout, on the replica that hosts the run's step loops: lease this step's
         units until every one is acknowledged (other replicas may generate some of them), then
         report the step from the units' own stats."""
+        now = time.perf_counter()
+        if self._step_started:
+            self._step_s = now - self._step_started
+        self._step_started = now
         while (got := self.env.lease(step)).unit is not None:
             done = self.produce(got.unit)
             if done.step_stats is not None:  # this unit completed the step
-                acknowledging, self._acknowledging = self._acknowledging, None
                 if self.sole_producer and step + 1 < self.env.settings.steps:
-                    # granted while the step trains (colocate) or in flight
-                    self.env.lease_ahead(step + 1, acknowledging)
-                elif acknowledging is not None:
-                    self.env.state.complete.remote(*acknowledging)
+                    if not self.env.leased_ahead(step + 1):  # granted while the step trains, or in flight
+                        acknowledging, self._acknowledging = self._acknowledging, []
+                        self.env.lease_ahead(self._steps_to_lease(step + 1), acknowledging)
+                else:
+                    for ack in self._acknowledging:
+                        self.env.state.complete.remote(self.env.holder, *ack)
+                    self._acknowledging = []
                 self.evaluate_if_due()
                 return merge_unit_stats(done.step_stats)
         self.evaluate_if_due()
         return merge_unit_stats(self.env.call(self.env.state.step_stats.remote(step)))
+
+    def _steps_to_lease(self, first: int) -> list[int]:
+        """The steps a lease asked ahead covers: in colocate mode as many as fit in about
+        ``LEASE_WINDOW_S`` at the last step's pace (at most ``LEASE_STEPS_MAX``), so a run of short
+        steps makes one call to ``RunState`` every few steps; elsewhere only ``first``, whose rows
+        are acknowledged with their put."""
+        if self.learner is None or self._step_s <= 0:
+            return [first]
+        count = max(1, min(LEASE_STEPS_MAX, int(LEASE_WINDOW_S / self._step_s)))
+        return list(range(first, min(first + count, self.env.settings.steps)))
 
     def evaluate_if_due(self) -> None:
         """Evaluate the held policy version on ``data.eval`` when it is due (``relax.runtime.evaluation``):
@@ -227,8 +252,8 @@ class RolloutLoop:
         if self.learner is not None:  # colocate: the actor beside it takes the rows, and the ack is not awaited
             self.learner.hand(step, columns, batch.meta)
             stats["bus_s"] = time.perf_counter() - t3
-            # sent by step(): with the next step's lease when it asks for one ahead
-            self._acknowledging = (env.holder, step, unit["unit"], unit["attempt"], stats, ready)
+            # sent by step(): with the next lease it asks ahead
+            self._acknowledging.append((step, unit["unit"], unit["attempt"], stats, ready))
             return UnitDone(accepted=True, step_stats=[stats])
         if self.sole_producer:
             # Put and acknowledge in the background while this thread goes on to the next step; only
