@@ -137,10 +137,10 @@ class RolloutLoop:
                     if not self.env.leased_ahead(step + 1):  # granted while the step trains, or in flight
                         acknowledging, self._acknowledging = self._acknowledging, []
                         self.env.lease_ahead(self._steps_to_lease(step + 1), acknowledging)
-                else:
-                    for ack in self._acknowledging:
-                        self.env.state.complete.remote(self.env.holder, *ack)
-                    self._acknowledging = []
+                elif self._acknowledging:  # no lease asked ahead (the last step): what is unacknowledged, in one call
+                    acknowledging, self._acknowledging = self._acknowledging, []
+                    self.env.state.complete_and_lease.remote(self.env.holder, acknowledging,
+                                                             self.env.settings.max_staleness, [], 0.0)
                 self.evaluate_if_due()
                 return merge_unit_stats(done.step_stats)
         self.evaluate_if_due()
