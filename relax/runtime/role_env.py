@@ -158,14 +158,16 @@ class RoleEnv:
         """Whether a lease for ``step`` was asked ahead (granted or on its way)."""
         return step in self._granted or (self._lease_ahead is not None and step in self._lease_ahead[0])
 
-    def lease_ahead(self, steps: list[int], acknowledging: list[tuple[Any, ...]]) -> None:
-        """Ask now for the units of ``steps`` that the next ``lease`` calls take (RunState holds the
-        call until the staleness bound admits the first), so the answer travels while this worker
-        does other work. A unit granted to a worker that then fails goes back to the ledger like
-        any. ``acknowledging``: ``RunState.complete`` arguments not yet sent (without the holder),
-        sent in the same call (``complete_and_lease``), with the ``carried_reports``."""
+    def lease_ahead(self, steps: list[int], acknowledging: list[tuple[Any, ...]], admit: bool = False) -> None:
+        """Ask now for the units of ``steps`` that the next ``lease`` calls take, so the answer
+        travels while this worker does other work. A unit granted to a worker that then fails goes
+        back to the ledger like any. ``acknowledging``: ``RunState.complete`` arguments not yet sent
+        (without the holder), sent in the same call (``complete_and_lease``), with the
+        ``carried_reports``. ``admit``: RunState holds the call until the staleness bound admits the
+        first step, and the policy the lease carries is then new enough (``wait_version`` asks
+        nothing)."""
         asked = self.state.complete_and_lease.remote(self.holder, acknowledging, self.settings.max_staleness,
-                                                     steps, WAIT_SLICE_S, self.take_carried_reports())
+                                                     steps, WAIT_SLICE_S, self.take_carried_reports(), admit)
         self._lease_ahead = (steps, asked)
 
     def wait_version(self, min_version: int) -> PolicyVersion:

@@ -148,13 +148,15 @@ class RunState:
     # -- the rollout work ledger (see relax.runtime.ledger) ---------------------------------------
 
     def lease(self, holder: str, max_staleness: int, only_step: int | None, timeout_s: float,
-              reports: list[StepReport] | None = None) -> Lease | None:
+              reports: list[StepReport] | None = None, admit: bool = False) -> Lease | None:
         """The next unit of rollout work for ``holder``: ``Lease(unit=...)``; ``Lease(done=True)``
         once ``only_step`` is complete (or, without it, every step is); ``Lease(drain=True)`` when the
-        replica is being removed; None on timeout or stop. Without ``only_step`` a unit of step s
-        is leased only once policy version s - max_staleness is published (admission control). Holds
-        the lock itself: it waits in a loop of its own. ``reports``: the caller's step reports,
-        taken first (``report``; a worker's reports ride on its next lease asked ahead)."""
+        replica is being removed; None on timeout or stop. Without ``only_step`` (or with ``admit``)
+        a unit of step s is leased only once policy version s - max_staleness is published
+        (admission control), so the policy the lease carries is one the rollout may generate with:
+        it needs no ``wait_version`` call of its own. Holds the lock itself: it waits in a loop of
+        its own. ``reports``: the caller's step reports, taken first (``report``; a worker's reports
+        ride on its next lease asked ahead)."""
         if reports:
             self.report(reports)
         ledger = self._ledger
@@ -166,7 +168,8 @@ class RunState:
                 if only_step is not None and ledger.step_done(only_step):
                     return Lease(done=True)
                 bound = max_staleness if self._bound is None else min(self._bound, max_staleness)
-                unit = ledger.lease(holder, self._version + bound, only_step)
+                admitted = not admit or only_step is None or only_step - bound <= self._version
+                unit = ledger.lease(holder, self._version + bound, only_step) if admitted else None
                 if unit is not None:
                     return Lease(unit=unit, policy=PolicyVersion(self._version, self._weights), bound=bound)
                 if only_step is None and all(ledger.step_done(s) for s in range(ledger.start_step, ledger.steps)):
@@ -197,7 +200,8 @@ class RunState:
         return UnitDone(accepted=accepted, step_stats=self._ledger.step_stats(step) if done else None)
 
     def complete_and_lease(self, holder: str, acks: list[tuple[Any, ...]], max_staleness: int, steps: list[int],
-                           timeout_s: float, reports: list[StepReport] | None = None) -> list[Lease] | None:
+                           timeout_s: float, reports: list[StepReport] | None = None,
+                           admit: bool = False) -> list[Lease] | None:
         """``complete`` each of ``acks`` (``(step, unit, attempt, stats, columns)``), then ``lease``
         the next unit of each of ``steps`` for ``holder``: one call instead of several for a sole
         producer that asks for its next steps' units as soon as it acknowledges its last ones
@@ -206,17 +210,20 @@ class RunState:
         the worker's step reports riding on it, a colocated worker makes one call every few steps.
 
         The first lease may wait (``timeout_s``; None when it ran out or the run stopped); the
-        answer lists the leases in step order and ends at the first that is not a unit."""
+        answer lists the leases in step order and ends at the first that is not a unit. ``admit``:
+        each step's lease also waits for its admission (``lease``), so it carries a policy new
+        enough to generate with: a separate rollout, which loads that policy, then makes no
+        ``wait_version`` call (colocate, whose rollout trains each version itself, asks without)."""
         for step, unit, attempt, stats, columns in acks:
             self.complete(holder, step, unit, attempt, stats, columns)
         if not steps:
             return []
-        first = self.lease(holder, max_staleness, steps[0], timeout_s, reports)
+        first = self.lease(holder, max_staleness, steps[0], timeout_s, reports, admit)
         if first is None:
             return None
         granted = [first]
         for step in steps[1:] if first.unit is not None else ():
-            got = self.lease(holder, max_staleness, step, 0.0)
+            got = self.lease(holder, max_staleness, step, 0.0, admit=admit)
             if got is None or got.unit is None:
                 break
             granted.append(got)

@@ -89,6 +89,24 @@ def test_one_call_acknowledges_several_steps_and_leases_several_ending_at_the_fi
     assert state.complete_and_lease("r", [], 0, [5], 0.05) is None  # step 5 not done, its unit held: wait ran out
 
 
+def test_an_admitted_lease_of_one_step_waits_for_the_version_its_bound_needs_and_carries_it() -> None:
+    state = RunState(RolloutLedger(steps=4, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
+    [zero] = state.complete_and_lease("r", [], 1, [0], 1.0, admit=True)  # step 0 needs version -1: granted
+    assert zero.unit["step"] == 0 and zero.policy.version == -1
+    ack = [(0, 0, zero.unit["attempt"], {}, ["response"])]
+    assert state.complete_and_lease("r", ack, 1, [2], 0.05, admit=True) is None  # step 2 needs version 1
+    assert state.step_stats(0) == [{}]  # the acknowledgement was taken all the same
+    publisher = _later(0.1, state.publish, 1, ["v1"])
+    started = time.monotonic()
+    [two] = state.complete_and_lease("r", [], 1, [2], 5.0, admit=True)
+    publisher.join()
+    assert two.unit["step"] == 2 and two.policy.version == 1 and two.policy.weights == ["v1"]
+    assert time.monotonic() - started < 2.0  # woken by the publish
+    # without admit a step's unit is granted whatever the version (colocate trains it itself)
+    [three] = state.complete_and_lease("r", [], 0, [3], 0.05)
+    assert three.unit["step"] == 3 and three.policy.version == 1
+
+
 def test_a_wait_for_reports_takes_every_finished_step_from_the_one_asked_and_stops_at_a_gap() -> None:
     state = RunState(RolloutLedger(steps=6, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2))
     roles = ["rollout", "actor"]

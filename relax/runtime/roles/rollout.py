@@ -136,7 +136,9 @@ class RolloutLoop:
                 if self.sole_producer and step + 1 < self.env.settings.steps:
                     if not self.env.leased_ahead(step + 1):  # granted while the step trains, or in flight
                         acknowledging, self._acknowledging = self._acknowledging, []
-                        self.env.lease_ahead(self._steps_to_lease(step + 1), acknowledging)
+                        # separate: admitted leases carry the policy to load (no wait_version call)
+                        self.env.lease_ahead(self._steps_to_lease(step + 1), acknowledging,
+                                             admit=self.learner is None)
                 elif self._acknowledging:  # no lease asked ahead (the last step): what is unacknowledged, in one call
                     acknowledging, self._acknowledging = self._acknowledging, []
                     self.env.state.complete_and_lease.remote(self.env.holder, acknowledging,
