@@ -329,17 +329,19 @@ class Bus:
         Storage is only released here; nothing is evicted on its own. Clearing a partition that
         does not exist is a no-op.
         """
-        self._ask(f"to clear partition {partition!r}", lambda c: _clear_partition(c, partition))
+        self._ask(f"to clear partition {partition!r}", lambda c: _clear_partitions(c, [partition]))
 
-    def clear_soon(self, partition: str) -> None:
-        """Start dropping a finished partition without waiting for it (off a role's critical path).
+    def clear_soon(self, partitions: Sequence[str]) -> None:
+        """Start dropping finished partitions without waiting for it (off a role's critical path):
+        one request to the controller for each, and one call to the keeper for them all.
 
         Failures are not raised here; a partition that stays behind is only memory, and the owner
         drops everything when it closes.
         """
         client = self.client
         self._clearing = [f for f in self._clearing if not f.done()]
-        self._clearing.append(asyncio.run_coroutine_threadsafe(_clear_partition(client, partition), client._loop))
+        self._clearing.append(asyncio.run_coroutine_threadsafe(_clear_partitions(client, list(partitions)),
+                                                               client._loop))
 
     def _ask(
         self,
@@ -373,13 +375,15 @@ class Bus:
             ) from None
 
 
-async def _clear_partition(client: TransferQueueClient, partition: str) -> None:
-    """Forget a finished partition in TransferQueue's controller, then let the keeper drop its
-    payloads: one controller request where TransferQueue's ``async_clear_partition`` makes three
-    (it fetches the partition's full metadata, marks every row as being cleared, drops the storage
-    by row, then clears). Forgetting first already keeps readers off the rows, since the
-    controller no longer hands out their metadata; and the keeper drops by partition. A step's
-    partition is cleared once every role reported the step, so no reader is left on it anyway.
-    Uses TransferQueue 0.1.11's ``_clear_partition_in_controller``; recheck it when upgrading."""
-    await client._clear_partition_in_controller(partition)
-    await client.storage_manager.drop_partition(partition)  # always Relax's (``deployment`` refuses others)
+async def _clear_partitions(client: TransferQueueClient, partitions: list[str]) -> None:
+    """Forget finished partitions in TransferQueue's controller, then let the keeper drop their
+    payloads: one controller request a partition where TransferQueue's ``async_clear_partition``
+    makes three (it fetches the partition's full metadata, marks every row as being cleared, drops
+    the storage by row, then clears), and one keeper call for all. Forgetting first already keeps
+    readers off the rows, since the controller no longer hands out their metadata; and the keeper
+    drops by partition. A step's partition is cleared once every role reported the step, so no
+    reader is left on it anyway. Uses TransferQueue 0.1.11's ``_clear_partition_in_controller``;
+    recheck it when upgrading."""
+    for partition in partitions:
+        await client._clear_partition_in_controller(partition)
+    await client.storage_manager.drop_partitions(partitions)  # always Relax's (``deployment`` refuses others)

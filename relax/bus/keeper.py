@@ -188,6 +188,11 @@ class PayloadKeeper:
             del self._partitions[partition]
         return released
 
+    def drop_partitions(self, partitions: list[str]) -> int:
+        """Let go of every payload of each of ``partitions`` (one call for the steps a run finished
+        together); returns how many payloads were released."""
+        return sum(len(part.payloads) for name in partitions if (part := self._partitions.pop(name, None)))
+
     def held(self) -> dict[str, int]:
         """Payloads held per partition (for tests and diagnostics)."""
         return {name: len(part.payloads) for name, part in self._partitions.items()}

@@ -326,9 +326,9 @@ class ObjectStoreManager(StorageManager):
             None, self.fetch, metadata.partition_ids[0], list(metadata.global_indexes), fields)
         return encode_columns(columns, metadata.size)
 
-    async def drop_partition(self, partition: str) -> None:
-        """Let go of every payload of ``partition`` (``Bus.clear``: once the controller forgot it)."""
-        await self.keeper.drop.remote(partition)
+    async def drop_partitions(self, partitions: list[str]) -> None:
+        """Let go of every payload of ``partitions`` (``Bus.clear``: once the controller forgot them)."""
+        await self.keeper.drop_partitions.remote(partitions)
 
     async def clear_data(self, metadata: BatchMeta) -> None:
         if metadata.size == 0:

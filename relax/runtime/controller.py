@@ -289,18 +289,19 @@ class Controller(Deployment, Supervision, Elastic):
             # RunState forgot the steps' signals and units meanwhile
             self._counters = got.counters
             early += got.evals
+            first = step
             for reports in got.reports:
                 early, last_end = self._write_row(step, reports, early, last_end)
                 step += 1
+            # The steps' rows and units can go now (not earlier: a role restarted in place re-reads
+            # the step it had not finished), all in one go.
+            if self.bus is not None and step > first:
+                self.bus.clear_soon([partition_of(s) for s in range(first, step)])
 
     def _write_row(self, step: int, reports: dict[str, dict[str, Any]], early: list[dict[str, float]],
                    last_end: float) -> tuple[list[dict[str, float]], float]:
         """Every role reported ``step``: its metrics row; returns the evaluations kept for later
         rows and the step's end."""
-        # Its rows and units can go now (not earlier: a role restarted in place re-reads the step
-        # it had not finished).
-        if self.bus is not None:
-            self.bus.clear_soon(partition_of(step))
         evals, early = evaluations_for_row(early, step + 1)
         if step + 1 == self.settings.steps and self.settings.evaluation is not None \
                 and not any(e["eval/version"] >= self.settings.steps for e in evals):

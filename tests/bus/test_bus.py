@@ -290,6 +290,24 @@ def test_clearing_a_partition_releases_its_payloads(bus: Bus, partition: str, wa
     assert partition not in bus.partitions()
 
 
+def test_clearing_several_partitions_soon_releases_each_and_leaves_the_others(bus: Bus, way: int) -> None:
+    from relax.bus.payloads import find_keeper
+
+    keeper = find_keeper()
+    done, kept = [f"soon-{uuid.uuid4().hex[:8]}" for _ in range(2)], f"kept-{uuid.uuid4().hex[:8]}"
+    for name in (*done, kept):
+        bus.put(name, {"x": torch.zeros(3, 2)}, _meta(3))
+    bus.clear_soon(done)
+    deadline = time.monotonic() + 10
+    while any(name in ray.get(keeper.held.remote()) for name in done) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    held, partitions = ray.get(keeper.held.remote()), bus.partitions()
+    assert not any(name in held or name in partitions for name in done)
+    assert held[kept] == 1 and kept in partitions
+    assert bus.get(kept, ["x"], task="actor", batch_size=3, timeout_s=10)["x"].shape == (3, 2)
+    bus.clear(kept)
+
+
 def test_rows_from_several_puts_come_back_in_the_readers_order(bus: Bus, partition: str, way: int) -> None:
     """A reader may take rows of several puts at once, and a later write of a field wins."""
     bus.put(partition, {"idx": torch.arange(3), "w": torch.zeros(3, 2, dtype=torch.bfloat16),
