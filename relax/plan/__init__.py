@@ -175,7 +175,7 @@ def make_plan(spec: RunSpec, *, base_dir: Path | None = None, check_memory: bool
         staleness=staleness_schedule(spec), memory=memory, workers=workers, rollout_replica=rollout_replica(spec, workers, base_dir or Path.cwd()),
         rollout_work=rollout_work(spec),
         settings=run_settings(spec, base_dir or Path.cwd()),
-        notes=notes,
+        notes=notes, cores_note=crowded,
     )
 
 

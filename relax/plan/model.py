@@ -350,6 +350,10 @@ class Plan(PlanPart):
     tolerance, tracing) the controller and the workers read."""
     notes: list[str] = Field(default_factory=list)
     """Assumptions and caveats of the estimate."""
+    cores_note: str | None = None
+    """Set when this machine's cores are too few for the placement mode (a CPU-only run outside
+    colocate mode whose model processes get one torch thread each): the one note that changes what
+    a user would run, so ``relax run`` prints it too (also in ``notes``)."""
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from relax.plan.model import Plan
-from relax.plan.wiring import crowded_cores_note
 from relax.spec.architecture import BUILTIN_PREFIX
 from relax.spec.models import RunSpec
 
@@ -72,9 +71,8 @@ def banner(spec: RunSpec, plan: Plan, output_dir: Path, *, start_step: int = 0) 
              f"  output   {output_dir}",
              f"  model    {spec.model.path}"]
     lines += [f"  worker   {line}" for line in worker_lines(plan)]
-    crowded = crowded_cores_note(spec, plan.workers)
-    if crowded is not None:  # the one note of the plan that changes what a user would run
-        lines.append(f"  note     {crowded}")
+    if plan.cores_note is not None:
+        lines.append(f"  note     {plan.cores_note}")
     return "\n".join(lines) + "\n"
 
 

@@ -198,5 +198,7 @@ def test_the_banner_of_a_separate_cpu_run_on_too_few_cores_points_to_colocate(tm
     spec, plan = spec_and_plan("tiny-cpu")
     note = banner(spec, plan, tmp_path).splitlines()[-1]
     assert note.startswith("  note     2 model processes share this machine's 2 cores") and "colocate" in note
+    assert plan.cores_note is not None and plan.cores_note in plan.notes
     monkeypatch.setattr(wiring, "available_cores", lambda: 8)
-    assert "note" not in banner(spec, plan, tmp_path)
+    spec, plan = spec_and_plan("tiny-cpu")  # planned on a machine of 8 cores
+    assert plan.cores_note is None and "note" not in banner(spec, plan, tmp_path)
