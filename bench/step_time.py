@@ -130,9 +130,10 @@ class StepWatch:
     the poll."""
 
     POLL_S = 0.02
-    END_MARGIN = 5
-    """Steps left after the second snapshot: the controller writes rows up to 50 ms late, several at
-    once, and a snapshot taken after the workers ended would miss their CPU."""
+    END_MARGIN = 15
+    """Steps left after the second snapshot: the controller writes rows up to 0.1 s late
+    (``WATCH_INTERVAL_S``), several at once (seven of the tiny preset's colocated steps), and a
+    snapshot taken after the workers ended would miss their CPU."""
 
     def __init__(self, skip: int, steps: int, done: Callable[[], int] | None = None) -> None:
         self.skip, self.steps = skip, steps
