@@ -168,15 +168,12 @@ class PayloadKeeper:
             pieces[name] = found
         return found_payloads, pieces
 
-    def drop(self, partition: str, rows: np.ndarray | None = None) -> int:
-        """Let go of a partition's payloads (``rows=None``), or of some rows of it: a payload is
-        released once none of its rows is held. Returns how many payloads were released."""
+    def drop(self, partition: str, rows: np.ndarray) -> int:
+        """Let go of some rows of a partition (``drop_partitions`` lets go of whole ones): a payload
+        is released once none of its rows is held. Returns how many payloads were released."""
         part = self._partitions.get(partition)
         if part is None:
             return 0
-        if rows is None:
-            del self._partitions[partition]
-            return len(part.payloads)
         rows = np.asarray(rows, dtype=np.int64)
         released = 0
         for payload_id, payload in list(part.payloads.items()):
