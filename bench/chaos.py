@@ -132,7 +132,7 @@ def in_background(run: Any, trial: Trial, call: Any) -> Any:
 
 def disturb(run: Any, trial: Trial) -> int | None:
     """The scenario's disturbance; returns the pid of a worker it froze, if any."""
-    from relax.runtime.control import ControlError
+    from relax.runtime.driver.control import ControlError
 
     if trial.scenario == "kill-rollout":
         run.kill_worker("rollout")

@@ -3,7 +3,7 @@ side by side in one invocation.
 
 In separate mode the evaluation runs in a worker of its own (``trainer.eval.host: auto``), which
 loads each due version from the object store and, on CPU, takes only the CPU time the rollout and
-the actor leave idle (``relax.runtime.evaluation``), so it should cost the training little: the
+the actor leave idle (``relax.runtime.worker.evaluation``), so it should cost the training little: the
 issue asks for training steps per second within 10% of the run without it. ``--host rollout``
 measures the other way, the rollout evaluating right after it produced a step. Each arm is a whole
 ``relax run`` of the ``tiny-cpu`` preset (separate mode, max_staleness 1); the evaluating arm scores ``--prompts``

@@ -27,21 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from relax.contracts import Generation, RewardSample
-from relax.runtime.components import (
-    CACHE_ENV,
+from relax.runtime.model_files import CACHE_ENV, materialize_model
+from relax.runtime.worker.components import (
     build_advantage,
     build_dataset,
     build_rewards,
     build_rollout,
     build_trainer,
-    materialize_model,
 )
-from relax.runtime.data import PromptSchedule
-from relax.runtime.scoring import RewardScorer
+from relax.runtime.worker.data import PromptSchedule
+from relax.runtime.worker.scoring import RewardScorer
 from relax.spec import validate_spec
 from relax.spec.models import RunSpec
 
-#: The bench's run spec: the tiny CPU default (relax/presets/tiny-cpu.yaml) run synchronously, with a
+#: The bench's run spec: the tiny CPU default (presets/tiny-cpu.yaml) run synchronously, with a
 #: learning rate of 5e-4 (1e-3 learns too, but less steadily: the reward can dip for tens of steps).
 BENCH_SPEC: dict[str, Any] = {
     "name": "learn-tiny",

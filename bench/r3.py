@@ -49,8 +49,8 @@ from relax.contracts import RewardSample  # noqa: E402
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context  # noqa: E402
 from relax.registry import get_registry  # noqa: E402
 from relax.roles import Column  # noqa: E402
-from relax.runtime.components import materialize_model  # noqa: E402
-from relax.runtime.rows import rollout_columns  # noqa: E402
+from relax.runtime.model_files import materialize_model  # noqa: E402
+from relax.runtime.worker.rows import rollout_columns  # noqa: E402
 from relax.spec import validate_spec  # noqa: E402
 from relax.spec.rules import advantage_and_loss  # noqa: E402
 

@@ -232,7 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from relax.runtime.launch import EMBEDDED_RAY_CPUS, embedded_ray_env
+    from relax.runtime.driver.launch import EMBEDDED_RAY_CPUS, embedded_ray_env
 
     os.environ.update(embedded_ray_env())  # what the embedded Ray of `relax run` gets
     ray.init(address="local", num_cpus=EMBEDDED_RAY_CPUS, include_dashboard=False, log_to_driver=False)

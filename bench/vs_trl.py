@@ -118,7 +118,8 @@ def build_work(root: Path) -> Work:
     """Copy ``builtin:tiny-lm`` out of Relax's model cache (building it there once) as a plain HF
     folder, and write the tiny preset's arithmetic problems with their answers as JSON lines."""
     from relax.contracts import PluginKind
-    from relax.runtime.components import build_plugin, cache_dir
+    from relax.runtime.model_files import cache_dir
+    from relax.runtime.worker.components import build_plugin
     from relax_plugins.datasets.arithmetic import ArithmeticDataset
 
     root.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,7 @@ def build_work(root: Path) -> Work:
 
 
 def default_venv() -> Path:
-    from relax.runtime.components import cache_dir
+    from relax.runtime.model_files import cache_dir
 
     return Path(cache_dir()) / "bench-trl-venv"
 
@@ -225,7 +226,7 @@ def timed(command: list[str], log: Path, what: str, env: dict[str, str] | None =
 
 
 def relax_spec(work: Work, mode: str, steps: int, name: str, out_dir: Path) -> dict[str, Any]:
-    """The tiny preset (``relax/presets/tiny-cpu.yaml``, written out whole) with this bench's work pinned:
+    """The tiny preset (``presets/tiny-cpu.yaml``, written out whole) with this bench's work pinned:
     the shared model folder and data file, lr 1e-4, KL 0, no checkpoints, no tracing. ``mode`` is a
     key of ``MODES``: the placement mode and ``max_staleness``."""
     from relax.config import load_spec_dict

@@ -1,1 +1,5 @@
-from relax.cli import main; import sys; sys.exit(main())
+import sys
+
+from relax.cli import main
+
+sys.exit(main())

@@ -11,7 +11,7 @@ A spec is given as the command line takes it (a YAML/JSON path or a preset name,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -20,41 +20,16 @@ if TYPE_CHECKING:
     from relax.plan.model import Plan
     from relax.spec.models import RunSpec
 
-def _load(spec: Any, overrides: Sequence[str], base_dir: str | Path | None,
-          runnable: bool) -> tuple[RunSpec, Path]:
-    """The validated spec and the folder its relative paths are taken from (``SpecError`` with
-    every problem, as ``relax validate`` prints them, when it is not valid)."""
-    from relax.spec import check_spec, validate_spec
-    from relax.spec.models import RunSpec
-
-    if isinstance(overrides, str):
-        raise TypeError("overrides is a list of dotted overrides, e.g. ['trainer.steps=5'], not one string")
-    if isinstance(spec, RunSpec):
-        if overrides:
-            raise ValueError("overrides apply to a spec file, a preset name or a mapping; a RunSpec is already "
-                             "resolved: pass its file or preset with the overrides instead")
-        folder = Path(base_dir) if base_dir is not None else Path.cwd()
-        return check_spec(spec, base_dir=folder, runnable=runnable), folder
-    if isinstance(spec, Mapping):
-        if overrides:
-            raise ValueError("overrides apply to a spec file or a preset name; change the mapping itself instead")
-        folder = Path(base_dir) if base_dir is not None else Path.cwd()
-        return validate_spec(dict(spec), base_dir=folder, runnable=runnable), folder
-    if isinstance(spec, (str, Path)):
-        from relax.config import load_spec_dict
-
-        raw, folder = load_spec_dict(str(spec), list(overrides))
-        return validate_spec(raw, base_dir=folder, runnable=runnable), folder
-    raise TypeError(f"a spec is a path, a preset name, a mapping or a RunSpec, not {type(spec).__name__}")
-
-
-def validate(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | None = None) -> RunSpec:
-    """Check a spec as ``relax validate`` does (every rule, this runtime and this machine, and its
-    plan); the typed ``RunSpec`` when it can run here, ``relax.spec.SpecError`` listing every
-    problem otherwise (``str(error)`` is the text the command prints)."""
+def validate(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | None = None,
+             here: bool = False) -> RunSpec:
+    """Check a spec as ``relax validate`` does (every rule, this runtime, and its plan; with
+    ``here``, as ``relax validate --here``, also this machine); the typed ``RunSpec`` when it is
+    valid, ``relax.spec.SpecError`` listing every problem otherwise (``str(error)`` is the text the
+    command prints). What this machine lacks without ``here``: ``relax.spec.validate.machine_notes``."""
     from relax.plan import make_plan
+    from relax.plan.inputs import checked_spec
 
-    checked, folder = _load(spec, overrides, base_dir, runnable=True)
+    checked, folder = checked_spec(spec, overrides, base_dir, runnable=True, here=here)
     make_plan(checked, base_dir=folder)  # a layout or memory problem is the spec's, as for the command
     return checked
 
@@ -63,10 +38,9 @@ def plan(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | Non
     """The ``Plan`` that ``relax plan`` renders: where every role runs and its memory. It does not
     ask that this machine can run the spec (``relax plan`` shows a cluster's layout anywhere);
     ``relax.plan.render(p, "table")`` is the command's text."""
-    from relax.plan import make_plan
+    from relax.plan import plan_spec
 
-    checked, folder = _load(spec, overrides, base_dir, runnable=False)
-    return make_plan(checked, base_dir=folder)
+    return plan_spec(spec, overrides, base_dir=base_dir)
 
 
 @dataclass
@@ -92,11 +66,12 @@ def run(spec: Any, overrides: Sequence[str] = (), *, base_dir: str | Path | None
     default); an invalid spec raises ``SpecError`` before anything starts; a run that fails returns
     its exit code in the result (the cause is printed on stderr, as by the command)."""
     from relax.plan import make_plan
-    from relax.runtime.launch import output_path, run_spec
+    from relax.plan.inputs import checked_spec
+    from relax.runtime.driver.launch import output_path, run_spec
+    from relax.runtime.driver.report import eval_rows
     from relax.runtime.metrics import read_metrics
-    from relax.runtime.report import eval_rows
 
-    checked, folder = _load(spec, overrides, base_dir, runnable=False)  # run_spec's preflight adds the rest
+    checked, folder = checked_spec(spec, overrides, base_dir, runnable=False)  # run_spec's preflight adds the rest
     code = run_spec(checked, make_plan(checked, base_dir=folder), base_dir=folder, resume=resume, stream=stream)
     output_dir = output_path(checked)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from relax import __version__
-from relax.spec.errors import SpecError
+from relax.errors import SpecError
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -25,20 +25,28 @@ class UsageError(Exception):
     """A command-line mistake (exit 2)."""
 
 
-def _load(spec_ref: str, overrides: list[str], *, runnable: bool = False):
+def _load(spec_ref: str, overrides: list[str], *, runnable: bool = False, here: bool = True):
     """The validated spec and its folder; ``runnable`` adds the checks ``relax run`` makes before it
-    starts anything (today's runtime, this machine's GPUs)."""
-    from relax.config import load_spec_dict
+    starts anything (today's runtime and, with ``here``, this machine's GPUs)."""
+    from relax.config import load_spec
+    from relax.config.redaction import attach, scrubbed_error
     from relax.spec import validate_spec
 
-    raw, base_dir = load_spec_dict(spec_ref, overrides)
-    return validate_spec(raw, base_dir=base_dir, runnable=runnable), base_dir
+    loaded = load_spec(spec_ref, overrides)
+    try:
+        spec = validate_spec(loaded.raw, base_dir=loaded.base_dir, runnable=runnable, here=here)
+    except SpecError as exc:  # a message may quote a value taken from the environment
+        raise scrubbed_error(exc, loaded.redactions) from None
+    return attach(spec, loaded.redactions), loaded.base_dir
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec, base_dir = _load(args.spec, args.overrides, runnable=True)
+    """The spec judged as a spec (exit 2 on a problem); what this machine lacks to run it is a note,
+    an error with ``--here`` (as ``relax run`` makes it)."""
+    spec, base_dir = _load(args.spec, args.overrides, runnable=True, here=args.here)
     from relax.plan import make_plan
     from relax.spec.rules import gpus_requested
+    from relax.spec.validate import machine_notes
 
     make_plan(spec, base_dir=base_dir)  # `relax run` plans before it starts: a layout or memory problem is the spec's
 
@@ -46,27 +54,34 @@ def cmd_validate(args: argparse.Namespace) -> int:
     where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "CPU"
     print(f"ok: {spec.name} is valid ({spec.algorithm.name}, {spec.placement.mode} mode, "
           f"max_staleness {spec.async_policy.max_staleness}, {where})")
+    for note in [] if args.here else machine_notes(spec, base_dir=base_dir):
+        print(f"note (this machine, not the spec; `relax run` and `relax validate --here` refuse it here): {note}")
     return EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec, base_dir = _load(args.spec, args.overrides)
+    from relax.config.redaction import redactions_of
     from relax.plan import make_plan, render
 
     plan = make_plan(spec, base_dir=base_dir)
-    print(render(plan, args.format), end="")
+    print(render(plan, args.format, redactions_of(spec)), end="")
     return EXIT_OK
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The spec as the run sees it: extends merged, overrides applied, every default filled; a
-    self-contained file (no ``extends``) that ``relax run`` accepts as it is."""
+    self-contained file (no ``extends``) that ``relax run`` accepts as it is. Values taken from
+    the environment are printed as their ``${oc.env:...}`` expressions, and credentials named as
+    such as ``<redacted>`` (``relax.config.redaction``), as in a run's ``spec.yaml``."""
     import yaml
+
+    from relax.config.redaction import spec_view
 
     spec, _ = _load(args.spec, args.overrides)
     print(f"# {args.spec}{''.join(' ' + o for o in args.overrides)}: resolved by relax {__version__}")
-    print(yaml.safe_dump(spec.model_dump(mode="json", exclude={"extends"}), sort_keys=False,
-                         allow_unicode=True), end="")
+    shown = {key: value for key, value in spec_view(spec).items() if key != "extends"}  # no secret in the clear
+    print(yaml.safe_dump(shown, sort_keys=False, allow_unicode=True), end="")
     return EXIT_OK
 
 
@@ -77,13 +92,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from relax.plan import make_plan
 
     plan = make_plan(spec, base_dir=base_dir)
-    from relax.runtime.launch import run_spec  # heavy imports start here
+    from relax.runtime.driver.launch import run_spec  # heavy imports start here
 
     return run_spec(spec, plan, base_dir=base_dir, resume=args.resume)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from relax.runtime.report import eval_rows, eval_table, write_report
+    from relax.runtime.driver.report import eval_rows, eval_table, write_report
 
     run_dir = Path(args.run_dir)
     try:
@@ -95,6 +110,30 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"held-out evaluation ({run_dir / 'eval.jsonl'}):")
         print(eval_table(evals))
     print(f"wrote {path}")
+    return EXIT_OK
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    from relax.runtime.samples import SamplesError, format_sample, read_samples, worst_rows
+
+    try:
+        rows = read_samples(Path(args.run_dir))
+    except SamplesError as exc:
+        raise UsageError(str(exc)) from None
+    if args.step is not None:
+        steps = sorted({row["step"] for row in rows})
+        rows = [row for row in rows if row["step"] == args.step]
+        if not rows:
+            raise UsageError(f"the run has no samples of step {args.step}; its sampled steps are "
+                             f"{', '.join(map(str, steps)) or 'none'}")
+    if args.worst is not None:
+        if args.worst < 1:
+            raise UsageError(f"--worst {args.worst}: give how many rows to show, 1 or more")
+        rows = worst_rows(rows, args.worst)
+    if not rows:
+        raise UsageError(f"{Path(args.run_dir) / 'samples.jsonl'} holds no samples yet (the run has not reached "
+                         "its first sampled step); wait for it, or look at another run")
+    print("\n\n".join(format_sample(row) for row in rows))
     return EXIT_OK
 
 
@@ -113,7 +152,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from relax.runtime.control import ControlError, control_call, parse_scale
+    from relax.runtime.driver.control import ControlError, control_call, parse_scale
 
     run_dir = Path(args.run_dir)
     try:
@@ -325,7 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    spec_command("validate", "check a run spec and report every problem", cmd_validate)
+    validate = spec_command("validate", "check a run spec and report every problem", cmd_validate)
+    validate.add_argument("--here", action="store_true",
+                          help="also refuse (exit 2) what this machine lacks to run it, as `relax run` does; "
+                          "without it, that is printed as a note")
     plan = spec_command("plan", "show where every role runs and its memory, without starting anything", cmd_plan)
     plan.add_argument("--format", choices=["table", "json", "dot", "mermaid"], default="table")
     spec_command("config", "print the resolved spec (extends merged, overrides applied, every default filled)",
@@ -337,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl)")
     report.add_argument("--output", help="PNG path (default RUN_DIR/report.png)")
     report.set_defaults(func=cmd_report)
+
+    samples = sub.add_parser("samples", help="print what a run's model generated (its samples.jsonl)",
+                             description="Print the samples a run kept (trainer.log_samples_every): prompt, "
+                                         "response, label and rewards of a few rows of every sampled step.")
+    samples.add_argument("run_dir", help="the run's output_dir (holds samples.jsonl)")
+    samples.add_argument("--step", type=int, help="only the samples of this step")
+    samples.add_argument("--worst", type=int, metavar="K", help="only the K samples with the lowest reward")
+    samples.set_defaults(func=cmd_samples)
 
     trace = sub.add_parser("trace", help="per-role busy/idle time and rollout/train overlap of a run's traces")
     trace.add_argument("run_dir", help="the run's output_dir (holds traces.jsonl), or the traces file")
@@ -352,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the JSON Schema of the run spec")
     schema.add_argument("--write", action="store_true",
-                        help="write schemas/run-spec.schema.json, schemas/plan.schema.json and docs/spec-reference.md under --root")
+                        help="write schemas/run-spec.schema.json, schemas/plan.schema.json and "
+                             "docs/spec-reference.md under --root")
     schema.add_argument("--root", default=".", help="project root for --write")
     schema.set_defaults(func=cmd_schema)
 
@@ -362,6 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.set_defaults(func=cmd_plugins)
     add_completion_command(sub)
     return parser
+
+
+def _command_line(args: argparse.Namespace) -> list[str] | None:
+    """The spec command as typed (``relax run tiny-cpu a=b``), to which a fix's overrides are
+    added; None for a command that takes no spec."""
+    spec = getattr(args, "spec", None)
+    if spec is None:
+        return None
+    return ["relax", args.command, spec, *args.overrides]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.freeze()
         return code
     except SpecError as exc:
-        print(exc.render(), file=sys.stderr)
+        print(exc.render(_command_line(args)), file=sys.stderr)
         return EXIT_INVALID
     except UsageError as exc:
         print(f"relax: {exc}", file=sys.stderr)

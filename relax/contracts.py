@@ -20,10 +20,11 @@ and the standard library only).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,6 +75,8 @@ HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
     # Published contract for third parties: keep it stable. A reward may also take a keyword-only
     # ``context: RewardContext | None = None`` (model-based rewards build their judge through it).
     PluginKind.rewards: (Hook("__init__", ("config",)), Hook("score", ("samples",))),
+    # A data set may also define a classmethod ``length(config) -> int``: its size, known without
+    # building it; ``trainer.epochs`` needs it for a data set that is not a file (relax.spec.run_length).
     PluginKind.datasets: (
         Hook("__init__", ("config",)),
         Hook("__len__", ()),
@@ -118,6 +121,177 @@ HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
         Hook("log", ("step", "metrics")),
         Hook("close", ("status",)),
     ),
+}
+
+#: Methods a plugin of some kind may define; when it does, they must take these parameters. A
+#: plugin without one keeps working: the engine just does not call it.
+OPTIONAL_HOOKS: dict[PluginKind, tuple[Hook, ...]] = {
+    # ``log_samples`` gets the few rows of a sampled step (trainer.log_samples_every): what
+    # samples.jsonl holds, one dict per row (docs/runtime.md, "Samples"). A logger without it gets
+    # the metrics only.
+    PluginKind.loggers: (Hook("log_samples", ("step", "rows")),),
+}
+
+
+# -- engines and capabilities ------------------------------------------------------------------------
+#
+# The runtime talks to a trainer through HOOKS; below them sits an *engine* (how the model is held:
+# one device, FSDP2 shards, Megatron's model parallelism) and above them the policy step written once
+# (``relax_plugins.trainer.steps``). Weights leave a trainer only through a ``WeightExtractor``. The
+# rollout side's optional abilities are declared as protocols here too, so the registry checks their
+# signatures when a plugin is loaded and the validator and the runtime ask ``supports(...)`` instead
+# of probing objects by name.
+
+
+@runtime_checkable
+class WeightExtractor(Protocol):
+    """How weights leave a trainer: ``(name, tensor)`` buckets of bounded byte size, named as the
+    rollout names them (Hugging Face keys), holding the full model or only an adapter. A sharded
+    trainer gathers one parameter (or layer) at a time while a bucket fills, so no rank holds the
+    whole model at once; every rank of the trainer iterates it (the gathers are collectives) and
+    only the ranks that send keep the tensors. The implementation is
+    ``relax_plugins.trainer.weight_extraction.BucketExtractor``."""
+
+    bucket_bytes: int
+    """Most bytes of one bucket (a tensor larger than this travels alone)."""
+    adapter_only: bool
+    """True when only an adapter's tensors leave (LoRA): the rollout keeps its base weights."""
+
+    def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name -> (dtype name, shape) of every tensor the buckets will hold, known before any
+        gather (what a weight group announces before its data)."""
+        ...
+
+    def buckets(self) -> Iterator[list[tuple[str, Any]]]:
+        """The tensors, bucket by bucket; a bucket's tensors are valid until the next is asked for
+        (copy what must outlive that)."""
+        ...
+
+
+@runtime_checkable
+class TrainerEngine(Protocol):
+    """What the policy step needs from the layer that holds a model and its optimizer. The policy
+    step itself (mini-batches, loss weights, accumulation, the optimizer step, metrics) is written
+    once above the engines: ``relax_plugins.trainer.steps.policy_step``. The ``torch`` trainer (a
+    replica or FSDP2 shards) and ``megatron`` (tensor, pipeline and expert parallel) are engines.
+    Besides these methods an engine has ``model``, ``optimizer``, ``optimizer_info``, ``loss``,
+    ``context``, ``updates_per_step``, ``router_replay``, ``version`` and ``own_routing(batch)``,
+    and the trainer hooks (``save``/``load``: sharded where the engine shards)."""
+
+    def data_parallel(self) -> bool:
+        """Whether this rank has data-parallel peers."""
+        ...
+
+    def data_parallel_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the data-parallel ranks (unchanged on one rank)."""
+        ...
+
+    def begin_step(self) -> Any:
+        """Reset the step's counters; the step's mismatch tally (``relax.algo.mismatch``) or None."""
+        ...
+
+    def forward_backward(self, minibatch: Any, weigh: Callable[..., Any], mismatch: Any) -> None:
+        """Run the mini-batch's micro-batches forward with gradients. For each, the engine computes
+        the loss and metrics and back-propagates ``weigh(micro, loss, metrics)``, the loss weighted by
+        its share of the mini-batch (``weigh`` also records the metrics). ``mismatch``, when given,
+        counts the first mini-batch's log-probs."""
+        ...
+
+    def finish_gradients(self, stats: dict[str, float]) -> float:
+        """Complete the accumulated gradients over the ranks (and ``stats`` with them), then clip
+        them to the role's ``grad_clip``. Returns the global gradient norm before clipping."""
+        ...
+
+    def end_step(self, totals: dict[str, float], mismatch: Any) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's summed stats as every rank reports them, and the engine's own figures."""
+        ...
+
+    def extractor(self, adapter_only: bool = False) -> WeightExtractor:
+        """The weights, bucket by bucket, for a rollout, a forward-only role or an export."""
+        ...
+
+
+@runtime_checkable
+class TokenGeneration(Protocol):
+    """A rollout that continues prompts given as token ids (``TokenPrompt``): agentic trajectories
+    and partial rollouts need it."""
+
+    def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int) -> list[Generation]: ...
+
+    def encode_prompt(self, prompt: str) -> list[int]: ...
+
+
+@runtime_checkable
+class PausableGeneration(Protocol):
+    """A rollout whose ``generate_tokens`` stops every row where ``pause(rows_done)`` answers True
+    (partial rollouts swap weights there and continue). Declared by the ``pausable`` trait too."""
+
+    def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int, pause: Any = None
+                        ) -> list[Generation]: ...
+
+    def encode_prompt(self, prompt: str) -> list[int]: ...
+
+
+@runtime_checkable
+class CollectiveReceive(Protocol):
+    """A rollout that receives weights from a weight group (``relax.weight_group``), bucket by
+    bucket, straight into its model."""
+
+    def join_weight_group(self, address: dict[str, Any]) -> None: ...
+
+    def receive_weights(self) -> int: ...
+
+
+@runtime_checkable
+class ModelSharing(Protocol):
+    """A rollout that generates with a trainer's model in its own process (colocation: no copy)."""
+
+    def adopt_model(self, model: Any) -> bool: ...
+
+
+@runtime_checkable
+class InProcessHandover(Protocol):
+    """A rollout engine that takes a trainer's weights in its own process, bucket by bucket, as the
+    trainer's extractor yields them (colocation across ranks: each actor rank hands its own engine
+    the weights gathered from its shards; nothing travels between processes but the gathers), and
+    that frees its device memory while the trainer trains (``sleep``) until ``wake``."""
+
+    def load_buckets(self, shapes: dict[str, Any], buckets: Any, version: int) -> int: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+@runtime_checkable
+class ModelOffer(Protocol):
+    """A trainer that offers its policy model to a rollout in its process (``ModelSharing``)."""
+
+    def shareable_model(self) -> Any: ...
+
+
+def protocol_hooks(protocol: type) -> tuple[Hook, ...]:
+    """The hooks a capability protocol declares: each method with the parameters (after ``self``)
+    that have no default; those with one may be left out by an implementation's signature only when
+    it declares them with a default too."""
+    hooks = []
+    for name, member in vars(protocol).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        params = list(inspect.signature(member).parameters.values())[1:]
+        hooks.append(Hook(name, tuple(p.name for p in params)))
+    return tuple(hooks)
+
+
+#: The optional abilities each kind may have, by name. A plugin claims one by defining the
+#: protocol's first method (``pausing``: by declaring the ``pausable`` trait); a claimed one must
+#: have all the protocol's methods with its parameters, or the registry refuses the plugin naming
+#: the capability. ``relax.registry.supports`` answers whether a class has one.
+CAPABILITIES: dict[PluginKind, dict[str, type]] = {
+    PluginKind.rollout: {"token_generation": TokenGeneration, "pausing": PausableGeneration,
+                         "collective_receive": CollectiveReceive, "model_sharing": ModelSharing,
+                         "in_process_handover": InProcessHandover},
+    PluginKind.trainer: {"model_offer": ModelOffer},
 }
 
 
@@ -169,6 +343,14 @@ class TokenPrompt:
     media: list[Any] = field(default_factory=list)
     max_new_tokens: int | None = None
     """This call's budget (a turn's, or what is left of the trajectory's); None: the sampling's."""
+    grammar: str | None = None
+    """A grammar the response must follow (llguidance's Lark dialect, ``relax.agents.constraints``),
+    enforced by masking each step's distribution; None: unconstrained. Only a backend whose
+    ``constrained_decoding`` holds ``grammar`` is sent one."""
+    structured_outputs: dict[str, Any] | None = None
+    """The same constraint as vLLM's ``StructuredOutputsParams`` keyword arguments (for a backend
+    whose ``constrained_decoding`` holds ``structured_outputs``); None with ``grammar``: it has no
+    such form."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +450,42 @@ class Observation:
 
 
 
+# -- bounds on data rows -----------------------------------------------------------------------------
+
+#: ``data.on_long_prompt``: a prompt longer than ``data.max_prompt_tokens`` is cut from the left
+#: (``truncate``) or refused with its file and line (``refuse``).
+LongPromptPolicy = Literal["truncate", "refuse"]
+#: Characters of prompt text kept per token of ``data.max_prompt_tokens`` before a prompt is
+#: tokenized: no tokenizer's token covers this many characters in real text, so the cut never
+#: removes a token the token cut would keep, and a 10 MB prompt is never tokenized whole.
+PROMPT_CHARS_PER_TOKEN = 32
+#: Largest row a data file may hold, in bytes (a JSON line, a CSV record, a table row's text and
+#: binary cells); a larger one is refused with its file and line (``max_row_bytes`` of the file
+#: plugins raises it).
+MAX_ROW_BYTES = 32 * 1024 * 1024
+#: Most columns a data file may have (``max_columns`` of the file plugins raises it).
+MAX_COLUMNS = 10_000
+
+
+def prompt_char_limit(max_prompt_tokens: int) -> int:
+    """The characters of prompt text a prompt of ``max_prompt_tokens`` tokens is cut to (or, under
+    ``data.on_long_prompt: refuse``, refused past) before it is tokenized."""
+    return max(1, int(max_prompt_tokens)) * PROMPT_CHARS_PER_TOKEN
+
+
+def cut_prompt(text: str, max_prompt_tokens: int, policy: LongPromptPolicy = "truncate") -> str:
+    """``text`` within ``prompt_char_limit``: its end kept (prompts are cut from the left, as their
+    tokens are), or ValueError under ``refuse``."""
+    limit = prompt_char_limit(max_prompt_tokens)
+    if len(text) <= limit:
+        return text
+    if policy == "refuse":
+        raise ValueError(f"a prompt of {len(text)} characters is longer than data.max_prompt_tokens="
+                         f"{max_prompt_tokens} x {PROMPT_CHARS_PER_TOKEN} characters (data.on_long_prompt: refuse); "
+                         "shorten it, raise data.max_prompt_tokens, or set data.on_long_prompt: truncate")
+    return text[-limit:]
+
+
 # -- traits ---------------------------------------------------------------------------------------
 
 #: Input modalities a backend may read (``model.modalities`` values).
@@ -362,6 +580,14 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
               "generate_tokens(prompts, sampling, seed, pause=...) stops every row at the token where "
               "pause(rows_done) answers True and returns them as far as they got: partial rollouts "
               "(roles.rollout.partial) swap weights there and continue.", _is_bool),
+        Trait("lora_adapters", "a bool", False,
+              "With a context's lora (the actor trains a LoRA adapter) the backend keeps its base weights "
+              "and load_weights takes only the adapter's tensors (PEFT naming), applying them to a new "
+              "policy version.", _is_bool),
+        Trait("adapter_weight_group", "a bool", False,
+              "With a context's lora the backend also takes the adapter's tensors from a weight group "
+              "(roles.rollout.weight_sync: collective); False: only through load_weights (the object store).",
+              _is_bool),
     ),
     PluginKind.trainer: _traits(
         _MODALITIES, _PARALLELISM,
@@ -369,6 +595,9 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
               "What the backend shards over data-parallel ranks (the planner's memory estimate): "
               "none (full replicas), optimizer (optimizer state), full (weights, gradients and "
               "optimizer state).", _one_of("none", "optimizer", "full")),
+        Trait("token_budget", "a bool", False,
+              "The backend cuts micro-batches by TrainerContext.max_tokens_per_micro_batch "
+              "(relax.algo.micro_batches) rather than by rows.", _is_bool),
         Trait("pipeline_schedule", "one of 1f1b, fill-drain", "1f1b",
               "The pipeline schedule (the planner's activation estimate under pp > 1).",
               _one_of("1f1b", "fill-drain")),
@@ -376,6 +605,9 @@ TRAITS: dict[PluginKind, dict[str, Trait]] = {
               "Routing replay modes the trainer honours (TrainerContext.router_replay): r3 replays the "
               "batch's routed_experts, r2 its own routing from the step's first forward pass.",
               _subset_of(ROUTER_REPLAY)),
+        Trait("lora", "a bool", False,
+              "The backend trains a LoRA adapter on a frozen base when its context carries lora "
+              "(roles.<role>.lora), and its weights() then hold only the adapter.", _is_bool),
     ),
     PluginKind.advantages: _traits(
         Trait("token_level", "a bool", False,
@@ -437,6 +669,12 @@ class SamplingInfo(ContextData):
     top_k: int = 0
     """0: no top-k truncation."""
     max_new_tokens: int = 8
+    stop: tuple[str, ...] = ()
+    """Stop strings: a response ends with the token that completes the first of them; that token
+    and those before it stay in the response (trained on like a stop token), the text ends before
+    the stop string (``relax.algo.stop_strings``)."""
+    repetition_penalty: float = 1.0
+    """CTRL's penalty on tokens already in the prompt or the response (1: none)."""
 
 
 class ParallelInfo(ContextData):
@@ -469,6 +707,38 @@ class OptimizerInfo(ContextData):
     eps: float = 1.0e-8
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate over the run's steps after the warmup (``relax.algo.schedules``)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup (when ``warmup_ratio`` is None)."""
+    warmup_ratio: float | None = None
+    """Warmup as a share of the run's steps; None: ``warmup_steps``."""
+    min_lr_ratio: float = 0.0
+    """The floor of linear and cosine decay, as a share of ``lr``."""
+
+
+#: The linear layers of a Llama / Qwen decoder layer that ``lora.target_modules: all-linear``
+#: means: attention, then the dense MLP (an MoE layer's experts are left out). Here, not in the
+#: spec, because the rollout plugins that serve adapters name the same layers.
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DENSE_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoraInfo(ContextData):
+    """A LoRA adapter a role trains or follows (``roles.<role>.lora``; ``relax.spec.lora`` documents
+    the fields): the base model stays frozen and only the adapter's tensors train, sync and save."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+    """Last names of the linear layers that get an adapter, or ``all-linear``."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained in full beside the adapter (synced and saved with it)."""
+    init_adapter: str | None = None
+    """A PEFT adapter folder to start from (absolute path); None starts a new adapter."""
+    export_merged: bool = False
+    """Exports also write ``merged/``, the model with the adapter merged in."""
 
 
 class TrainingInfo(ContextData):
@@ -490,7 +760,11 @@ class RolloutContext(ContextData):
     gpu_memory_utilization: float = 0.9
     """Share of each GPU an engine may take (engines that preallocate)."""
     max_prompt_tokens: int = 256
-    """Prompts are cut from the left to this many tokens."""
+    """Prompts are cut from the left to this many tokens (their text first to
+    ``prompt_char_limit`` characters, so a huge prompt is never tokenized whole)."""
+    on_long_prompt: LongPromptPolicy = "truncate"
+    """``data.on_long_prompt``: ``refuse`` makes a prompt over ``max_prompt_tokens`` an error
+    instead of cutting it."""
     chat_template: str = "none"
     """How a text prompt is rendered before it is tokenized: ``auto`` (the tokenizer's chat
     template when it has one), ``none`` (raw), or the absolute path of a Jinja template file
@@ -508,6 +782,9 @@ class RolloutContext(ContextData):
     record_routing: bool = False
     """Record each response token's routed experts (``Generation.routed_experts``): the run
     replays the rollout's routing in the trainer (``algorithm.router_replay: r3``)."""
+    lora: LoraInfo | None = None
+    """The actor's LoRA adapter (``roles.actor.lora``): weight syncs carry only its tensors, named as
+    PEFT saves them, and the backend applies them to its frozen base (None: full weights)."""
 
 
 class TrainerContext(ContextData):
@@ -518,10 +795,16 @@ class TrainerContext(ContextData):
     model: ModelInfo
     parallel: ParallelInfo = Field(default_factory=ParallelInfo)
     micro_batch_size: int = 16
+    max_tokens_per_micro_batch: int | None = None
+    """``roles.<role>.max_tokens_per_micro_batch``: micro-batches of at most this many real tokens
+    (``relax.algo.micro_batches``) instead of ``micro_batch_size`` rows; None: rows."""
     training: TrainingInfo | None = None
     """The optimizer and its settings; None for a forward-only role (reference, actor_fwd)."""
     updates_per_step: int = 1
     """Optimizer steps per training step (the batch splits into this many mini-batches)."""
+    total_steps: int = 1
+    """The run's training steps (``trainer.steps``, or as ``trainer.epochs`` resolve): the length the
+    learning-rate schedule spans."""
     sampling_temperature: float = 1.0
     """The rollout's sampling temperature: log-probs are those of ``softmax(logits / T)``."""
     max_prompt_tokens: int = 256
@@ -535,6 +818,10 @@ class TrainerContext(ContextData):
     """``algorithm.router_replay`` (MoE models): ``r3`` routes the response tokens with the
     rollout's recorded experts (the batch's ``routed_experts``), ``r2`` with the trainer's own from
     the step's first forward pass, ``off`` as the router chooses."""
+    lora: LoraInfo | None = None
+    """The LoRA adapter the role trains (actor, critic: ``roles.<role>.lora``) or follows
+    (actor_fwd: the actor's); None trains or holds the full model. A reference never has one: it
+    is the base model."""
     device: str = "cpu"
     seed: int = 0
     loss: Any = Field(None, exclude=True)

@@ -1,8 +1,8 @@
 """Environment variables set for one block of code (``temporarily_set``): for the processes a block
 starts, which inherit them (an embedded Ray), while the caller's own environment is left as it
-was, so a Python API user's later ``ray.init`` sees none of them. (The vLLM plugin keeps a copy of
-its own: plugins import only ``relax.contracts``, ``relax.algo``, ``relax.media`` and
-``relax.weight_group`` from ``relax``, by the import rules.)"""
+was, so a Python API user's later ``ray.init`` sees none of them. Plugin-facing (the import rules
+let plugins import it): the vLLM rollout sets its engine's variables around the engine's start, and
+the tracker loggers theirs around each tracker call, with this one function."""
 
 from __future__ import annotations
 

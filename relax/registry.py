@@ -23,9 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from relax.contracts import HOOKS, TRAITS, Hook, PluginKind
-from relax.spec.errors import SpecIssue
-from relax.spec.translate import issues_from_validation_error
+from relax.contracts import CAPABILITIES, HOOKS, OPTIONAL_HOOKS, TRAITS, Hook, PluginKind, protocol_hooks
+from relax.errors import SpecIssue
+from relax.errors.translate import issues_from_validation_error
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Registry:
                 self._entries[kind] = found
             return self._entries[kind]
 
-    def load(self, kind: PluginKind | str, name: str) -> type:
+    def load(self, kind: PluginKind | str, name: str) -> type[Any]:
         """The plugin class, imported on first use and checked against the kind's contract."""
         kind = PluginKind(kind)
         key = (kind, name)
@@ -136,7 +136,7 @@ class Registry:
             entry = self.entries(kind)[name]
             issues = issues_from_validation_error(exc, cls.Config, prefix=path)
             return [
-                SpecIssue(i.path, f"{i.message} (plugin {entry.describe()})", i.remedy)
+                SpecIssue(i.path, f"{i.message} (plugin {entry.describe()})", i.remedy, i.fix)
                 for i in issues
             ]
         return []
@@ -198,6 +198,22 @@ def check_contract(kind: PluginKind, entry: PluginEntry, cls: Any) -> None:
                 f"{kind.value} plugin {entry.describe()} does not match the contract: expected "
                 f"`{hook.signature()}`"
             )
+    for hook in OPTIONAL_HOOKS.get(kind, ()):
+        if inspect.getattr_static(cls, hook.name, _ABSENT) is not _ABSENT and not _hook_matches(cls, hook):
+            raise PluginError(
+                f"{kind.value} plugin {entry.describe()} defines `{hook.name}` but not as the contract's "
+                f"optional `{hook.signature()}`; fix its parameters or remove it"
+            )
+    for capability, protocol in CAPABILITIES.get(kind, {}).items():
+        if not _claims(cls, kind, capability, protocol):
+            continue
+        for hook in protocol_hooks(protocol):
+            if not _hook_matches(cls, hook):
+                raise PluginError(
+                    f"{kind.value} plugin {entry.describe()} has the {capability} capability "
+                    f"(relax.contracts.{protocol.__name__}) but not as the contract says: expected "
+                    f"`{hook.signature()}`; fix the method or remove the capability's methods"
+                )
     for name, declared in TRAITS.get(kind, {}).items():
         value = inspect.getattr_static(cls, name, _ABSENT)
         if value is _ABSENT:
@@ -213,6 +229,31 @@ def check_contract(kind: PluginKind, entry: PluginEntry, cls: Any) -> None:
 
 
 _ABSENT = object()
+
+
+def _claims(cls: Any, kind: PluginKind, capability: str, protocol: type) -> bool:
+    """Whether a plugin class claims a capability: it defines the protocol's first method, or for
+    ``pausing`` declares the ``pausable`` trait."""
+    if capability == "pausing":
+        return trait(cls, kind, "pausable") is True
+    first = protocol_hooks(protocol)[0].name
+    return callable(getattr(cls, first, None))
+
+
+def supports(cls: Any, kind: PluginKind | str, capability: str) -> bool:
+    """Whether a plugin class (or instance) has a capability of ``relax.contracts.CAPABILITIES``:
+    it claims it and has every method of its protocol with the protocol's parameters. ``cls`` None
+    (a plugin that could not be loaded) has none. Read from the class: asking imports no engine."""
+    kind = PluginKind(kind)
+    protocols = CAPABILITIES.get(kind, {})
+    if capability not in protocols:
+        raise KeyError(f"{kind.value} plugins have no capability '{capability}' (they have: "
+                       f"{', '.join(sorted(protocols)) or 'none'}); add it to relax.contracts.CAPABILITIES")
+    if cls is None:
+        return False
+    owner = cls if inspect.isclass(cls) else type(cls)
+    protocol = protocols[capability]
+    return _claims(cls, kind, capability, protocol) and all(_hook_matches(owner, h) for h in protocol_hooks(protocol))
 
 
 def trait(cls: Any, kind: PluginKind | str, name: str) -> Any:

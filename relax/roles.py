@@ -69,7 +69,7 @@ class Column(StrEnum):
     k]`` in the smallest integer dtype, 0 off the response."""
 
 
-#: Columns the rollout writes for every sample (``relax.runtime.rows`` gives their layout; the
+#: Columns the rollout writes for every sample (``relax.runtime.worker.rows`` gives their layout; the
 #: plan's bus fields list the same).
 ROLLOUT_COLUMNS: tuple[Column, ...] = (Column.prompt, Column.response, Column.label, Column.input_ids,
                                        Column.rollout_logprobs, Column.lengths)

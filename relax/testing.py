@@ -24,12 +24,16 @@ TEST_RAY_CPUS = 8
 
 @contextlib.contextmanager
 def local_ray(**options: Any) -> Iterator[None]:
-    """A fresh local Ray for the block (runs inside it start and close their own bus and workers)."""
+    """A fresh local Ray for the block (runs inside it start and close their own bus and workers),
+    on loopback like an embedded run's (``relax.runtime.driver.launch._loopback_node``): Ray otherwise
+    finds its node address by connecting a UDP socket towards 8.8.8.8, an off-machine attempt
+    (no packet leaves, but a test suite makes none), and listens on the machine's address."""
     import ray
 
-    from relax.runtime.launch import lean_head_node
+    from relax.runtime.driver.launch import LOOPBACK, _loopback_node, lean_head_node
 
-    with lean_head_node():
+    options.setdefault("_node_ip_address", LOOPBACK)
+    with lean_head_node(), _loopback_node():
         ray.init(address="local", num_cpus=TEST_RAY_CPUS, include_dashboard=False, log_to_driver=False, **options)
     try:
         yield
@@ -40,20 +44,21 @@ def local_ray(**options: Any) -> Iterator[None]:
 def tiny_spec(out_dir: Path, name: str, *overrides: str, preset: str = "tiny-cpu") -> tuple[Any, Any, Path]:
     """``(spec, plan, base_dir)`` of a preset (3 steps, no tracing, output under ``out_dir/name``)
     with dotted ``overrides`` applied after those defaults."""
-    from relax.config import load_spec_dict
+    from relax.config import load_spec
+    from relax.config.redaction import attach
     from relax.plan import make_plan
     from relax.spec import validate_spec
 
-    raw, base = load_spec_dict(preset, [f"name={name}", f"trainer.output_dir={Path(out_dir) / name}",
-                                        "trainer.steps=3", "tracing.exporter=none", *overrides])
-    spec = validate_spec(raw, base_dir=base)
-    return spec, make_plan(spec, base_dir=base), base
+    loaded = load_spec(preset, [f"name={name}", f"trainer.output_dir={Path(out_dir) / name}",
+                                "trainer.steps=3", "tracing.exporter=none", *overrides])
+    spec = attach(validate_spec(loaded.raw, base_dir=loaded.base_dir), loaded.redactions)
+    return spec, make_plan(spec, base_dir=loaded.base_dir), loaded.base_dir
 
 
 def tiny_run(out_dir: Path, name: str, *overrides: str, resume: bool = False,
              preset: str = "tiny-cpu") -> tuple[int, list[dict[str, Any]], str]:
     """Run a preset with overrides: ``(exit code, metrics.jsonl rows, progress printed)``."""
-    from relax.runtime.launch import run_spec
+    from relax.runtime.driver.launch import run_spec
 
     spec, plan, base = tiny_spec(out_dir, name, *overrides, preset=preset)
     out = io.StringIO()
@@ -163,7 +168,7 @@ class LiveRun:
 
     def status(self, timeout_s: float = 120) -> dict[str, Any]:
         """The controller's ``GET /status`` (waits for the controller to be up)."""
-        from relax.runtime.control import ControlError, control_call
+        from relax.runtime.driver.control import ControlError, control_call
 
         def ask() -> Any:
             try:
@@ -200,7 +205,7 @@ class LiveRun:
         return self.signal_worker(role, signal.SIGKILL, at_rows)
 
     def scale(self, replicas: int) -> dict[str, Any]:
-        from relax.runtime.control import control_call
+        from relax.runtime.driver.control import control_call
 
         return control_call(self.run_dir, "POST", "/scale", {"rollout": replicas})
 

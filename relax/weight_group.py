@@ -5,7 +5,8 @@ The group is private to its members: a ``torch.distributed.TCPStore`` (the sende
 on a free port of the one address it is given, loopback when every rank is on its node) and a
 process group object built directly on that store (``ProcessGroupGloo`` / ``ProcessGroupNCCL``).
 Nothing here calls ``init_process_group`` or touches the default group of either side, so a
-trainer with its own tp/dp group and vLLM workers with theirs can both join. Rank 0 is the sender; the receivers are ranks 1..n (a vLLM engine's worker of
+trainer with its own tp/dp group and vLLM workers with theirs can both join. Rank 0 is the sender; the receivers are
+ranks 1..n (a vLLM engine's worker of
 rank r joins as 1 + r).
 
 Wire format of one round (round numbers count up from 1 on both sides):
@@ -251,7 +252,8 @@ class WeightSender:
 
     def close(self) -> None:
         """Let the group go (a receiver still in a round fails at its timeout)."""
-        self.group = _shutdown(self.group)
+        _shutdown(self.group)
+        self.group = None
 
 
 class WeightRecipient:
@@ -328,11 +330,12 @@ class WeightRecipient:
         self.store.set(f"{key}/done/{self.rank}", b"1")
 
     def close(self) -> None:
-        self.group = _shutdown(self.group)
+        _shutdown(self.group)
+        self.group = None
 
 
 def _shutdown(group: Any) -> None:
-    """Shut a process group down, if there is one and its backend can (returns None, its new value)."""
+    """Shut a process group down, if there is one and its backend can."""
     if group is not None and hasattr(group, "shutdown"):
         try:
             group.shutdown()

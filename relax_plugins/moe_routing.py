@@ -185,8 +185,8 @@ def recorded_routing(model: Any, rows: int, width: int) -> Iterator[list[Tensor]
         for handle in handles:
             handle.remove()
     if any(len(c) != 1 for c in calls):
-        raise RuntimeError(f"recorded_routing wraps exactly one forward pass; its routers ran {[len(c) for c in calls]} "
-                           "times")
+        raise RuntimeError("recorded_routing wraps exactly one forward pass; its routers ran "
+                           f"{[len(c) for c in calls]} times")
     table = torch.stack([c[0].reshape(rows, width, -1) for c in calls], dim=2)
     column = torch.zeros_like(table)
     column[:, 1:] = table[:, :-1]

@@ -4,6 +4,8 @@ built-in loggers' entry points for an editable install made before they were dec
 from __future__ import annotations
 
 import importlib
+import random
+import sys
 import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -12,6 +14,35 @@ import pytest
 
 TESTKIT = Path(__file__).parent / "spec" / "testkit"
 ROOT = Path(__file__).resolve().parents[1]
+TEST_SEED = 1234
+
+
+@pytest.fixture(autouse=True)
+def _same_random_draws_every_run():
+    """Every test starts from the same seed in ``random``, numpy and torch (when a test module has
+    imported them), whatever ran before it: a test that draws random tensors without a generator
+    draws the same ones on a fresh clone, in CI, alone or in the whole suite. Torch and numpy are
+    not imported here, so tests of what stays light keep their processes light."""
+    random.seed(TEST_SEED)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(TEST_SEED)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(TEST_SEED)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _no_off_machine_attempt():
+    """A test that connects to, sends to or looks up a host off this machine fails, naming it
+    (``tests/network_guard.py``): the suite must pass without a network, and never phone home."""
+    from tests import network_guard
+
+    network_guard.install()
+    before = len(network_guard.ATTEMPTS)
+    yield
+    made = network_guard.ATTEMPTS[before:]
+    if made:
+        pytest.fail("this test tried to reach another machine: " + "; ".join(dict.fromkeys(made)), pytrace=False)
 
 
 @pytest.fixture(scope="module")

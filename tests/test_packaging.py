@@ -1,5 +1,6 @@
 """The wheel: what a ``pip install relax-rl`` (not a checkout) gets. The presets and their sample
-data are package data under ``relax/presets/``; a wheel without them makes ``relax run tiny-cpu``
+data sit in ``presets/`` at the top of the checkout and ship as package data under
+``relax/presets/`` (``setup.py`` maps the folder); a wheel without them makes ``relax run tiny-cpu``
 fail with an empty list of presets.
 
 The wheel is built from a copy of the project in a temporary folder, so the checkout gets no
@@ -18,9 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = ROOT / "relax" / "presets"
+PRESETS = ROOT / "presets"
 #: What setuptools reads to build the wheel (pyproject.toml names README.md as the readme).
-SOURCES = ("pyproject.toml", "README.md", "relax", "relax_plugins")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "relax", "relax_plugins", "presets")
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,23 @@ def test_the_wheel_ships_every_preset_and_its_sample_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "relax/presets/tiny-cpu.yaml" in names
     assert "relax/presets/data/math-sample.jsonl" in names
-    shipped = sorted(p.relative_to(ROOT).as_posix() for p in PRESETS.rglob("*")
+    assert "relax/presets/data/media/red.png" in names
+    shipped = sorted("relax/" + p.relative_to(ROOT).as_posix() for p in PRESETS.rglob("*")
                      if p.is_file() and "__pycache__" not in p.parts)
-    assert any(name.endswith(".yaml") for name in shipped)
+    assert sum(name.endswith(".yaml") for name in shipped) >= 8
     assert [name for name in shipped if name not in names] == []
+    assert not any(name.startswith("presets/") for name in names)  # only inside the package
+
+
+def test_the_wheel_ships_every_package_of_the_checkout(wheel):
+    """setup.py finds the packages (pyproject's find cannot map ``presets/``): each module of
+    ``relax`` and ``relax_plugins`` is in the wheel, the runtime's rooms included."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = sorted(p.relative_to(ROOT).as_posix() for package in ("relax", "relax_plugins")
+                     for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts
+                     and not p.relative_to(ROOT).as_posix().startswith("relax/presets/"))
+    assert "relax/runtime/driver/launch.py" in modules
+    assert [name for name in modules if name not in names] == []
 
 
 def test_a_preset_name_runs_from_the_installed_wheel(wheel, tmp_path):

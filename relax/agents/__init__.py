@@ -7,6 +7,8 @@ agent program's) observations, kept as the exact token sequence the model read a
 - ``chat``: the chat template's tokens around each message, appended without re-tokenizing history;
 - ``trajectory``: one trajectory's tokens, masks, log-probs and versions, and its record on the bus;
 - ``calls``: environment calls with a time limit and a concurrency bound;
+- ``outcomes``: how a trajectory ended (ok, truncated, tool_error, or an infrastructure failure kept
+  out of training) and the stop when infrastructure failures pass a share;
 - ``runner``: runs a unit's trajectories side by side, batching the generate calls of those that
   wait for the model;
 - ``gateway``: the OpenAI-compatible endpoint an agent program drives the policy through.

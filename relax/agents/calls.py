@@ -17,7 +17,18 @@ from typing import Any
 
 
 class EnvironmentFailure(RuntimeError):
-    """An environment call raised or ran past its time limit: the message says which and why."""
+    """An environment call raised or ran past its time limit: the message says which and why, and
+    ``kind`` the trajectory's outcome (``relax.agents.outcomes``): ``env_timeout`` past the limit,
+    ``infra`` when what failed was the connection to a server (the environment's process or service
+    went away), ``env_error`` otherwise."""
+
+    def __init__(self, message: str, kind: str = "env_error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+#: Exceptions that say a server or the connection to it went away (not the environment's logic).
+CONNECTION_LOST: tuple[type[BaseException], ...] = (ConnectionError, EOFError)
 
 
 class EnvironmentCalls:
@@ -61,11 +72,14 @@ class EnvironmentCalls:
             self.abandoned += 1
             raise EnvironmentFailure(f"environment {self.name!r}: {hook} took longer than "
                                      f"roles.rollout.agent.tool_timeout_s={self.timeout_s:g} s; the trajectory "
-                                     "ends here (raise the timeout if the tool is slow by nature)")
+                                     "ends here (raise the timeout if the tool is slow by nature)", kind="env_timeout")
         seconds = time.perf_counter() - started
         if "error" in box:
             exc = box["error"]
-            raise EnvironmentFailure(f"environment {self.name!r}: {hook} raised {type(exc).__name__}: {exc}") from exc
+            kind = exc.kind if isinstance(exc, EnvironmentFailure) else \
+                "infra" if isinstance(exc, CONNECTION_LOST) else "env_error"
+            raise EnvironmentFailure(f"environment {self.name!r}: {hook} raised {type(exc).__name__}: {exc}",
+                                     kind=kind) from exc
         return box["result"], seconds
 
 

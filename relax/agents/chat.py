@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.contracts import Observation, ToolSpec
+from relax.contracts import Observation, ToolSpec, cut_prompt
 from relax.media import MediaRef
 
 #: The fixed conversation the template's message boundaries are learned from.
@@ -70,13 +70,25 @@ class ChatTokens:
         self._closed = closed
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        """The messages through the model's chat template, as ``apply_chat_template(...,
+        tokenize=False)`` renders them, within ``relax.chat_templates``' bounds of nesting, output
+        size and time (a template past one is a ``TemplateError`` naming it)."""
+        from relax.chat_templates import TemplateBoundError, render_chat
+
+        source = self.tokenizer.get_chat_template(None, self.tools) \
+            if hasattr(self.tokenizer, "get_chat_template") else self.tokenizer.chat_template
+        try:
+            return render_chat(source, messages, self.tokenizer, tools=self.tools,
+                               add_generation_prompt=generation_prompt)
+        except TemplateBoundError as exc:
+            raise TemplateError(f"the model's chat template is refused while rendering a conversation: {exc}; "
+                                "use a template that renders in well under a second (docs/security.md)") from None
 
     def prompt(self, text: str, refs: list[MediaRef] | None = None) -> Rendered:
         """The first prompt: the data row's text (and media) as the user message, then the
         assistant header, with the tools declared."""
         refs = list(refs or [])
+        text = cut_prompt(text, self.max_prompt_tokens)  # never render and tokenize a huge prompt whole
         content: str | list[dict[str, Any]] = text
         if refs:
             content = [{"type": r.modality} for r in refs] + [{"type": "text", "text": text}]
@@ -84,7 +96,8 @@ class ChatTokens:
         if len(rendered.ids) > self.max_prompt_tokens:
             if refs:
                 raise ValueError(f"a prompt with media encodes to {len(rendered.ids)} tokens, more than "
-                                 f"data.max_prompt_tokens={self.max_prompt_tokens}; raise it or lower the media budgets")
+                                 f"data.max_prompt_tokens={self.max_prompt_tokens}; raise it or lower the media "
+                                 "budgets")
             rendered.ids = rendered.ids[-self.max_prompt_tokens:]
         return rendered
 

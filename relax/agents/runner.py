@@ -14,6 +14,7 @@ raised on the rollout's thread (the unit is then generated again, as for any rol
 from __future__ import annotations
 
 import contextvars
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ from typing import Any, Protocol
 
 from relax.agents.calls import EnvironmentCalls, EnvironmentFailure
 from relax.agents.chat import ChatTokens
-from relax.agents.tool_calls import error_observation, parse_tool_calls
+from relax.agents.outcomes import check_failed_frac, count
+from relax.agents.tool_calls import ParsedTurn, error_observation, parse_tool_calls, resolve_format, turn_text
 from relax.agents.trajectory import Trajectory
 from relax.contracts import AgentTask, Generation, Observation, TokenPrompt, Turn
 from relax.media import MediaRef, MediaSet
@@ -34,6 +36,12 @@ from relax.telemetry import AGENT_TOOL_CALL, AGENT_TURN
 #: its calls): they are rendering a message, which takes about a millisecond. A safety bound only:
 #: the batch normally goes as soon as every live trajectory is waiting or outside.
 LINGER_S = 0.05
+#: The seed stride of the batcher's generate calls: call ``c`` draws with the unit's seed plus
+#: ``c x CALL_SEED_STRIDE``, so each call draws afresh. It is the unit stride of
+#: ``relax.runtime.worker.sampling`` (7,919, the 1,000th prime): call ``c`` of unit ``u`` has the seed
+#: of call 0 of unit ``u + c``, which generates other prompts; being prime, it shares no factor with
+#: that module's round stride (104,729, also prime).
+CALL_SEED_STRIDE = 7_919
 #: How long a batch waits for trajectories in an environment call to come back before it goes
 #: without them (a quick tool rejoins the batch; a slow one holds only its own trajectory).
 SETTLE_S = 0.01
@@ -111,7 +119,7 @@ class GenerationBatcher:
                     self._cv.wait(None if wake == float("inf") else max(wake, 0.0))
                 batch, self._pending = self._pending, []
             try:
-                generations = self._generate([p for p, _ in batch], self._seed + self.calls * 7_919)
+                generations = self._generate([p for p, _ in batch], self._seed + self.calls * CALL_SEED_STRIDE)
                 if len(generations) != len(batch):
                     raise RuntimeError(f"generate_tokens returned {len(generations)} generations for "
                                        f"{len(batch)} prompts; a backend returns one per prompt, in order")
@@ -140,6 +148,11 @@ class AgentLimits:
     concurrency: int
     tool_call_format: str = "hermes"
     truncated: str = "score"
+    max_failed_frac: float | None = None
+    """A unit whose trajectories fail (infrastructure outcomes) more often than this stops the run
+    (``relax.agents.outcomes.InfraFailureLimit``); None: never."""
+    regenerate_failed: int = 0
+    """How many times a trajectory an environment failed is run again from its start (0: never)."""
 
 
 class Driver(Protocol):
@@ -156,16 +169,28 @@ class AgentBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def run_trajectories(tasks: list[AgentTask], driver: Driver, generate: Callable[[list[TokenPrompt], int], list[Generation]],
-                     seed: int) -> AgentBatch:
+def run_trajectories(tasks: list[AgentTask], driver: Driver,
+                     generate: Callable[[list[TokenPrompt], int], list[Generation]], seed: int,
+                     max_failed_frac: float | None = None) -> AgentBatch:
     """Run every task's trajectory on its own thread, serving their model calls in batches on this
-    one. A trajectory's own failure is recorded on it; a backend failure is raised."""
+    one. A trajectory's own failure is recorded on it (with its outcome); a backend failure is
+    raised, and so is ``InfraFailureLimit`` when more than ``max_failed_frac`` of the
+    trajectories failed (infrastructure outcomes), counted after their regenerations: an
+    environment's failed trajectory is run again from its start up to ``regenerate_failed`` times
+    (``AgentLimits``), on its own thread, its other trajectories going on meanwhile."""
     batcher = GenerationBatcher(generate, seed)
     results: list[Trajectory | BaseException | None] = [None] * len(tasks)
+    budget = driver.limits.regenerate_failed if isinstance(driver, EnvironmentDriver) else 0
+    regenerated = [0] * len(tasks)
 
     def run(i: int, task: AgentTask) -> None:
         try:
-            results[i] = driver.episode(task, batcher)
+            traj = driver.episode(task, batcher)
+            while traj.error is not None and regenerated[i] < budget:  # every driver failure is infrastructure's
+                regenerated[i] += 1
+                failed, traj = traj.error, driver.episode(task, batcher)
+                traj.info = {**traj.info, "regenerated": regenerated[i], "last_failure": failed[:300]}
+            results[i] = traj
         except BaseException as exc:  # a driver bug or a backend failure: raised below, on this thread
             results[i] = exc
         finally:
@@ -191,16 +216,35 @@ def run_trajectories(tasks: list[AgentTask], driver: Driver, generate: Callable[
         first = next((f for f in failures if isinstance(f, BackendFailure)), failures[0])
         raise first
     trajectories = [r for r in results if isinstance(r, Trajectory)]
-    count = max(len(trajectories), 1)
-    stats = {"agent_turns": sum(len(t.turns) for t in trajectories) / count,
-             "agent_tool_calls": sum(t.tool_calls for t in trajectories) / count,
+    default_failure = "env_error" if isinstance(driver, EnvironmentDriver) else "program_error"
+    for t in trajectories:
+        if t.error is not None and t.failure is None:
+            t.failure = default_failure
+    n = max(len(trajectories), 1)
+    outcomes = count([t.outcome for t in trajectories])
+    fmt = getattr(driver, "format", None) or getattr(getattr(driver, "limits", None), "tool_call_format", "hermes")
+    stats = {"agent_turns": sum(len(t.turns) for t in trajectories) / n,
+             "agent_tool_calls": sum(t.tool_calls for t in trajectories) / n,
              "agent_tool_errors": float(sum(t.tool_errors + (t.error is not None) for t in trajectories)),
              "agent_failed": float(sum(t.error is not None for t in trajectories)),
              "agent_env_s": sum(t.env_s for t in trajectories),
-             "agent_truncated": sum(t.truncated for t in trajectories) / count,
+             "agent_truncated": sum(t.truncated for t in trajectories) / n,
              "agent_trajectories": float(len(trajectories)), "agent_generate_calls": float(batcher.calls),
-             "agent_wall_s": wall}
+             "agent_regenerated": float(sum(regenerated)),
+             "agent_wall_s": wall,
+             f"agent_malformed_calls/{fmt}": float(sum(t.malformed_calls for t in trajectories)),
+             **{f"agent_outcome/{kind}": value for kind, value in outcomes.items()}}
+    check_failed_frac(outcomes, max_failed_frac,
+                         next((t.error for t in trajectories if t.error is not None), "") or "")
     return AgentBatch(trajectories=trajectories, stats=stats)
+
+
+def observation_text(observation: Observation) -> str:
+    """An observation's text as a person reads it in a sample (media items named by their type)."""
+    if isinstance(observation.content, str):
+        return observation.content
+    return " ".join(str(item.get("text", "")) if item.get("type") == "text" else f"<{item.get('type')}>"
+                    for item in observation.content)
 
 
 class EnvironmentDriver:
@@ -216,7 +260,21 @@ class EnvironmentDriver:
         self.calls = EnvironmentCalls(name, limits.tool_timeout_s, limits.concurrency)
         self.prompt_media = prompt_media
         tokenizer = chat.tokenizer
+        self.tokenizer = tokenizer
         self._stop_text = lambda token: tokenizer.decode([token], skip_special_tokens=False)
+        self.format = resolve_format(limits.tool_call_format, tokenizer)
+        """The tool-call format of the model's turns (``auto`` resolved from its chat template)."""
+        self._torn_down = False
+        setup = getattr(environment, "setup", None)
+        if callable(setup):  # per worker, before any trajectory: a failure stops the worker, named
+            self.calls.call("setup", setup)
+
+    def close(self) -> None:
+        """The environment's per-worker ``teardown`` (once; what ``setup`` started)."""
+        teardown = getattr(self.environment, "teardown", None)
+        if callable(teardown) and not self._torn_down:
+            self._torn_down = True
+            self.calls.call("teardown", teardown)
 
     def _span(self, name: str, **attributes: Any) -> Any:
         if self.telemetry is None:
@@ -227,6 +285,7 @@ class EnvironmentDriver:
         limits = self.limits
         rendered = self.chat.prompt(task.prompt, self.prompt_media(task) if self.prompt_media else None)
         traj = Trajectory(prompt_ids=rendered.ids, prompt_media=rendered.media)
+        state: Any = None
         try:
             state = self._call(traj, batcher, "start", self.environment.start, task, turn=None)
             for index in range(limits.max_turns):
@@ -240,20 +299,27 @@ class EnvironmentDriver:
                     span.set(tokens=len(generation.response_ids), policy_version=version)
                 traj.add_model(generation.response_ids, generation.logprobs, version)
                 traj.final_text = generation.text
-                parsed = parse_tool_calls(generation.text, self.tools, limits.tool_call_format)
+                # An environment without tools reads the turn's text itself (a library's own action syntax).
+                parsed = parse_tool_calls(turn_text(self.tokenizer, generation.response_ids), self.tools, self.format) \
+                    if self.tools else ParsedTurn(format=self.format)
                 traj.tool_calls += parsed.attempted
+                traj.calls += [f"{call.name}({json.dumps(call.arguments, default=str)})" for call in parsed.calls]
                 traj.tool_errors += len(parsed.errors)
+                traj.malformed_calls += len(parsed.errors)
                 if not generation.finished:  # cut at its budget: a turn the model never ended is not answered
                     traj.truncated = True
                     break
                 if parsed.errors:
-                    observation = Observation(error_observation(parsed.errors), info={"tool_errors": len(parsed.errors)})
+                    observation = Observation(error_observation(parsed.errors),
+                                              info={"tool_errors": len(parsed.errors)})
+                    traj.observations.append(observation_text(observation))
                 else:
                     turn = Turn(index=index, text=generation.text, tool_calls=parsed.calls, finished=True)
                     observation = self._call(traj, batcher, "step", self.environment.step, state, turn, turn=index)
                     if not isinstance(observation, Observation):
-                        raise EnvironmentFailure(f"environment {self.name!r}: step returned {type(observation).__name__}, "
-                                                 "not a relax.contracts.Observation")
+                        raise EnvironmentFailure(f"environment {self.name!r}: step returned "
+                                                 f"{type(observation).__name__}, not a relax.contracts.Observation")
+                    traj.observations.append(observation_text(observation))
                     traj.tool_errors += int(observation.info.get("tool_errors", 0))
                     if observation.reward is not None:
                         traj.turn_reward += float(observation.reward)
@@ -271,7 +337,22 @@ class EnvironmentDriver:
                 traj.add_context(following.ids, following.media)
         except EnvironmentFailure as exc:
             traj.error = str(exc)
+            traj.failure = exc.kind
+        finally:
+            self._close(traj, batcher, state)
         return traj
+
+    def _close(self, traj: Trajectory, batcher: GenerationBatcher, state: Any) -> None:
+        """The environment's optional ``close(state)``, once per trajectory on every path (``state``
+        is None when ``start`` failed). A failing close does not undo the trajectory's tokens or
+        outcome: it is recorded in its info (``close_error``)."""
+        close = getattr(self.environment, "close", None)
+        if not callable(close):
+            return
+        try:
+            self._call(traj, batcher, "close", close, state, turn=None)
+        except EnvironmentFailure as exc:
+            traj.info["close_error"] = str(exc)
 
     def _call(self, traj: Trajectory, batcher: GenerationBatcher, hook: str, fn: Callable[..., Any], *args: Any,
               turn: int | None) -> Any:

@@ -44,9 +44,11 @@ __all__ = [
     "gae_advantages",
     "group_stats",
     "grpo_advantages",
+    "put_rows",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "take_rows",
     "token_rewards",
     "whiten",
 ]
@@ -308,3 +310,26 @@ def gae_advantages(
     if whiten_advantages:
         advantages = whiten(advantages, mask, eps)
     return advantages, returns
+
+
+# -- rows kept out ---------------------------------------------------------------------------------
+
+
+def take_rows(inputs: TokenAdvantageInputs, index: Tensor) -> TokenAdvantageInputs:
+    """The token-level inputs of the rows ``index`` only (the others are not part of the batch the
+    estimator sees: their rewards, tokens and values enter no mean, std or whitening)."""
+    def rows(tensor: Tensor | None) -> Tensor | None:
+        return None if tensor is None else tensor.index_select(0, index)
+
+    return TokenAdvantageInputs(rewards=inputs.rewards.index_select(0, index),
+                                group_ids=inputs.group_ids.index_select(0, index),
+                                response_mask=inputs.response_mask.index_select(0, index),
+                                logprobs=inputs.logprobs.index_select(0, index),
+                                ref_logprobs=rows(inputs.ref_logprobs), values=rows(inputs.values))
+
+
+def put_rows(values: Tensor, index: Tensor, size: int) -> Tensor:
+    """``values`` (one row per entry of ``index``) at rows ``index`` of a zero tensor of ``size``
+    rows: the rows kept out get advantage (and return) 0."""
+    out = torch.zeros((size, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_copy(0, index.to(values.device), values)

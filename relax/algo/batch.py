@@ -29,7 +29,6 @@ from relax.contracts import Generation
 from relax.roles import OPTIONAL_TOKEN_COLUMNS, Column
 
 
-
 class TakenRows(Protocol):
     """Rows a role took from the bus (``relax.bus.BusBatch`` is one): its columns, and per row its
     metadata with the ``policy_version`` that generated it. A protocol, so ``relax.algo`` needs

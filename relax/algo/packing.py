@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-
 WIDEST_DEFAULT = 4096
-"""The default capacity stops growing here (unless one row is longer): the attention mask is
-``capacity x capacity`` per packed row, 32 MB in bfloat16 at 4096 columns against 512 MB at 16384."""
+"""The default capacity stops growing here (unless one row is longer) when the dense mask is used:
+it is ``capacity x capacity`` per packed row, 32 MB in bfloat16 at 4096 columns against 512 MB at
+16384. With ``block_mask`` (flex attention: only the mask's non-empty 128 x 128 blocks are computed
+and stored) a caller passes a wider ``widest`` to ``pack_rows``."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class PackedRows:
     """The token id at each of ``targets``."""
     shape: tuple[int, int]
     """``(B, T)``: the padded layout."""
+    used: int = 0
+    """Slots that hold a token (a shared prompt's once); the rest are padding (``pad_frac``)."""
 
     @property
     def slots(self) -> int:
@@ -68,6 +72,29 @@ class PackedRows:
         allowed &= torch.ones(capacity, capacity, dtype=torch.bool, device=allowed.device).tril()
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+    def allowed(self, row: Tensor, query: Tensor, key: Tensor) -> Tensor:
+        """Whether slot ``query`` of packed row ``row`` may attend to slot ``key`` (the rule of
+        ``attention``, elementwise): causal, within a segment or from a response to its prompt. The
+        ``mask_mod`` of flex attention."""
+        own, seen = self.segment[row, query], self.context[row, query]
+        other = self.segment[row, key]
+        return ((other == own) | (other == seen)) & (key <= query)
+
+    def block_mask(self, block_size: int = 128) -> Any:
+        """The mask as a flex-attention ``BlockMask`` (``torch.nn.attention.flex_attention``): the
+        variable-length path, whose memory grows with the blocks the segments touch rather than with
+        ``capacity ** 2``, so packed rows can be far wider than ``WIDEST_DEFAULT``. Flex attention
+        has no backward on CPU (torch 2.13); there ``attention`` is the fallback."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        rows, capacity = self.input_ids.shape
+
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return self.allowed(b, q, k)
+
+        return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=capacity, KV_LEN=capacity,
+                                 device=self.input_ids.device, BLOCK_SIZE=block_size)
 
     def token_logprobs(self, logits: Tensor, temperature: float = 1.0) -> Tensor:
         """``[B, T]`` float32 log-probs in the padded layout from ``[rows, capacity, V]`` logits."""
@@ -91,11 +118,11 @@ class PackedRows:
 
 
 def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_mask: Tensor,
-              pad_id: int = 0, capacity: int | None = None) -> PackedRows:
+              pad_id: int = 0, capacity: int | None = None, widest: int = WIDEST_DEFAULT) -> PackedRows:
     """Pack a batch in ``relax.algo.batch``'s layout (real tokens contiguous in each row, every
     response starting at the same column): rows whose prompts are the same tokens share one copy
     of the prompt. ``capacity`` defaults to twice the longest row (at least 64; at most
-    ``WIDEST_DEFAULT`` or the longest row, whichever is wider; at most what all the tokens need), so
+    ``widest`` or the longest row, whichever is wider; at most what all the tokens need), so
     the attention mask of a packed row stays within a few padded rows' while most items fit; a
     prompt whose samples do not fit one packed row is repeated in as many as they need. A row is
     never split."""
@@ -112,7 +139,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     longest = int(lengths.max()) if rows else 0
 
     chosen_capacity = capacity
-    capacity = max(int(capacity or min(max(2 * longest, 64), WIDEST_DEFAULT)), longest, 1)
+    capacity = max(int(capacity or min(max(2 * longest, 64), widest)), longest, 1)
 
     # Items: a prompt and the responses of its samples (rows of the same prompt tokens).
     # A prompt's key is its tokens with -1 for padding (a pad id may also be a real token).
@@ -123,7 +150,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     for row in range(rows):
         members.setdefault(groups[row] if r_len[row] else -1 - row, []).append(row)
     items: list[list[int]] = []
-    for key, rows_of in members.items():
+    for rows_of in members.values():
         size = p_len[rows_of[0]]
         chunk: list[int] = []
         for row in rows_of:
@@ -181,4 +208,5 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     return PackedRows(input_ids=packed_ids.view(count, capacity), position_ids=positions.view(count, capacity),
                       segment=segment.view(count, capacity), context=context.view(count, capacity),
                       targets=flat[has_predecessor], predictors=predictors,
-                      target_ids=input_ids.reshape(-1)[flat[has_predecessor]], shape=(rows, width))
+                      target_ids=input_ids.reshape(-1)[flat[has_predecessor]], shape=(rows, width),
+                      used=int(torch.unique(slot).numel()))

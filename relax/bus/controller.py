@@ -11,12 +11,15 @@ The controller's behaviour is TransferQueue's own, unchanged.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
+# First: TransferQueue and tensordict imported the bus's way (without torch._dynamo); the split
+# keeps the import sorter from moving TransferQueue's own modules above it.
+from relax.bus.transferqueue import transfer_queue
+
+# isort: split
 import ray
-
-from relax.bus.transferqueue import transfer_queue  # first: TransferQueue imported the bus's way
 from transfer_queue import interface
 from transfer_queue.controller import TransferQueueController
 

@@ -36,9 +36,15 @@ import torch
 
 from relax.bus.columns import Column
 from relax.bus.errors import BusError
-from relax.bus.transferqueue import NonTensorStack, TensorDict
 from relax.bus.keeper import KEEPER_NAME, PackedColumn, PayloadKeeper
-from relax.bus.transferqueue import BatchMeta, StorageBootstrapProvider, StorageManager, StorageManagerFactory
+from relax.bus.transferqueue import (
+    BatchMeta,
+    NonTensorStack,
+    StorageBootstrapProvider,
+    StorageManager,
+    StorageManagerFactory,
+    TensorDict,
+)
 
 #: TransferQueue's name of this storage backend (``backend.storage_backend``).
 BACKEND = "RelaxObjectStore"
@@ -181,7 +187,8 @@ def unpack(name: str, payloads: list[dict[str, PackedColumn]], pieces: list[tupl
 
 
 def encode_columns(columns: Mapping[str, Column], num_rows: int) -> TensorDict:
-    """Columns as the ``TensorDict`` TransferQueue's own API speaks (``get_data``), checking each has ``num_rows`` rows."""
+    """Columns as the ``TensorDict`` TransferQueue's own API speaks (``get_data``), checking each has
+    ``num_rows`` rows."""
     if not columns:
         raise BusError("no columns given; write at least one field")
     packed: dict[str, Any] = {}
@@ -228,7 +235,8 @@ def _pack_list(name: str, values: list[Any]) -> torch.Tensor | NonTensorStack:
 def column_schema(columns: Mapping[str, PackedColumn]) -> dict[str, dict[str, Any]]:
     """What TransferQueue's controller records about each field (it only needs to know it exists
     and its kind; row shapes stay in the payload)."""
-    return {name: {"dtype": getattr(torch, c.dtype) if c.dtype else None, "shape": tuple(c.data.shape[1:]) if c.kind == "dense" else None,
+    return {name: {"dtype": getattr(torch, c.dtype) if c.dtype else None,
+                   "shape": tuple(c.data.shape[1:]) if c.kind == "dense" else None,
                    "is_nested": c.kind in ("ragged", "rows"), "is_non_tensor": c.kind == "objects"}
             for name, c in columns.items()}
 

@@ -2,9 +2,9 @@
 
 from typing import Any
 
-from relax.config.loader import list_presets, load_spec_dict
+from relax.config.loader import LoadedSpec, list_presets, load_spec, load_spec_dict
 
-__all__ = ["list_presets", "load_spec_dict", "parse_override"]
+__all__ = ["LoadedSpec", "list_presets", "load_spec", "load_spec_dict", "parse_override"]
 
 
 def __getattr__(name: str) -> Any:

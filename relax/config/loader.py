@@ -3,7 +3,9 @@
 Loading is safe: YAML goes through PyYAML's safe loader, counting nodes as it composes them so that
 a file past its size, node or depth caps (``relax.config.bounded_yaml``) is refused before anything
 expands its aliases; and only omegaconf's built-in resolvers (``${oc.env:...}`` and friends) exist,
-none of which runs code from the spec. Problems are raised as ``SpecError`` with the offending path,
+none of which runs code from the spec. ``${...}`` is resolved under a budget
+(``relax.config.interpolation_budget``), checked before omegaconf expands anything. Problems are raised as ``SpecError``
+with the offending path,
 like validation errors.
 
 omegaconf is imported only for a file that needs it (``extends``, overrides, an interpolation
@@ -14,36 +16,65 @@ the ~40 ms of importing it (``relax validate tiny-cpu`` is one such file).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from relax.config.bounded_yaml import LimitExceeded, load_json, load_yaml, read_text_within
+from relax.config.interpolation_budget import check_budget
 from relax.config.plain import resolve_plain
-from relax.spec.errors import SpecError, SpecIssue
+from relax.config.redaction import NONE as NO_REDACTIONS
+from relax.config.redaction import (
+    REDACTED,
+    Redactions,
+    dotted,
+    escape_env_expressions,
+    from_resolution,
+    holds_redacted,
+    strings_in,
+)
+from relax.errors import SpecError, SpecIssue
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: The presets shipped inside the package (``relax/presets/``, package data, so a wheel has them too);
-#: searched for ``extends: <name>`` and ``relax run <name>`` after ``$RELAX_PRESETS_PATH``.
-PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
+
+
+def shipped_presets_dir() -> Path:
+    """The presets shipped with this copy of relax: in a checkout (an editable install, or the
+    checkout on ``PYTHONPATH``) its top-level ``presets/``; in an installed wheel the package data
+    ``relax/presets/``, where the build maps ``presets/`` (``setup.py``)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "presets").is_dir():
+        return checkout / "presets"
+    found = importlib.util.find_spec("relax.presets")
+    if found is not None and found.submodule_search_locations:
+        return Path(next(iter(found.submodule_search_locations)))
+    return Path(__file__).resolve().parents[1] / "presets"
+
+
+#: The presets shipped with relax (``presets/`` at the top of the checkout, package data of the
+#: wheel as ``relax/presets/``); searched for ``extends: <name>`` and ``relax run <name>`` after
+#: ``$RELAX_PRESETS_PATH``.
+PRESETS_DIR = shipped_presets_dir()
 PRESETS_ENV = "RELAX_PRESETS_PATH"
 MAX_EXTENDS_DEPTH = 16
 
 
 def preset_dirs() -> list[Path]:
-    """Where preset names are looked up: ``$RELAX_PRESETS_PATH`` entries, then ``relax/presets/``."""
+    """Where preset names are looked up: ``$RELAX_PRESETS_PATH`` entries, then the shipped presets."""
     extra = [Path(p) for p in os.environ.get(PRESETS_ENV, "").split(os.pathsep) if p]
     return [*extra, PRESETS_DIR]
 
 
 def list_presets() -> list[str]:
     """Names of the presets that ``extends:`` (and ``relax run <name>``) accept."""
-    names = set()
+    names: set[str] = set()
     for folder in preset_dirs():
         if folder.is_dir():
             names.update(p.stem for p in folder.glob("*.yaml"))
@@ -179,12 +210,31 @@ def merge_child(base: DictConfig, child: DictConfig) -> DictConfig:
     return merged
 
 
+@dataclass(frozen=True)
+class LoadedSpec:
+    """A spec file as the loader read it: the resolved dict, the folder relative paths in it are
+    taken from, and what of it must not be written or printed (``relax.config.redaction``)."""
+
+    raw: dict[str, Any]
+    base_dir: Path
+    redactions: Redactions = NO_REDACTIONS
+
+
 def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
-    """The spec as a plain dict, and the folder relative paths in it are taken from.
+    """The spec as a plain dict, and the folder relative paths in it are taken from (``load_spec``
+    without its redactions)."""
+    loaded = load_spec(ref, overrides)
+    return loaded.raw, loaded.base_dir
+
+
+def load_spec(ref: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedSpec:
+    """The spec as a plain dict, the folder relative paths in it are taken from, and the values
+    that came from ``${oc.env:...}`` (to be written as their expressions, never their values).
 
     ``ref`` is a file path or a preset name. ``extends`` chains are merged base-first (see
     ``merge_child``), overrides (Hydra's grammar, ``relax.config.overrides``) are applied last, then
-    ``${...}`` interpolations are resolved.
+    ``${...}`` interpolations are resolved. A spec holding ``<redacted>`` (a ``spec.yaml`` a run
+    wrote, whose credential was not taken from the environment) is refused.
     """
     try:
         path = resolve_spec_path(str(ref), Path.cwd()).resolve()
@@ -193,7 +243,7 @@ def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ())
                                    f"give a YAML/JSON path or one of: {', '.join(list_presets())}")]) from None
     data = _read(path)
     if not overrides and (plain := resolve_plain(data)) is not None:
-        return plain, path.parent
+        return _refuse_redacted(LoadedSpec(plain, path.parent))
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -203,6 +253,7 @@ def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
         for item in overrides:
             apply_override(cfg, parse_override(item))
+    check_budget(cfg)  # refuse an interpolation bomb before omegaconf expands it
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:
@@ -211,7 +262,36 @@ def load_spec_dict(ref: str | Path, overrides: list[str] | tuple[str, ...] = ())
         raise SpecError([SpecIssue(str(key), f"cannot resolve interpolation: {message}",
                                    "refer to an existing key, e.g. ${name}")]) from None
     assert isinstance(data, dict)
-    return _plain(data), path.parent
+    resolved = _plain(data)
+    return _refuse_redacted(LoadedSpec(resolved, path.parent, _env_redactions(cfg, resolved)))
+
+
+def _env_redactions(cfg: DictConfig, resolved: dict[str, Any]) -> Redactions:
+    """What of ``cfg`` came from ``${oc.env:...}``: ``cfg`` resolved again with each such
+    expression kept as its text, compared with ``resolved`` (``redaction.from_resolution``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    unresolved = _plain(OmegaConf.to_container(cfg, resolve=False))
+    if not any("oc.env" in text for text in strings_in(unresolved)):
+        return NO_REDACTIONS
+    try:
+        shown = _plain(OmegaConf.to_container(OmegaConf.create(escape_env_expressions(unresolved)), resolve=True))
+    except OmegaConfBaseException:
+        shown = None  # each leaf using oc.env is then shown as written
+    return from_resolution(unresolved, resolved, shown)
+
+
+def _refuse_redacted(loaded: LoadedSpec) -> LoadedSpec:
+    """A run writes a credential it did not take from the environment as ``<redacted>``: such a
+    ``spec.yaml`` cannot repeat the run until the value is given again."""
+    where = holds_redacted(loaded.raw)
+    if where is not None:
+        raise SpecError([SpecIssue(dotted(where), f"holds {REDACTED}: a run writes a credential that is not taken "
+                                                  "from the environment this way, never its value",
+                                   "give the value from the environment: ${oc.env:NAME} in the spec, or the "
+                                   "plugin's headers_env / token_env")])
+    return loaded
 
 
 def _plain(value: Any) -> Any:

@@ -20,7 +20,8 @@ options given by later overrides apply to the new plugin.
 A value Hydra reads as a number or boolean (``name=2024``) lands on a field that takes text as the
 text typed, so a string option never needs ``'"8"'``: the target field's type decides, after the
 grammar. A value made of characters the grammar has no token for (``~/data.jsonl``, ``a#b``) and
-no structure (brackets, quotes, commas) is the text typed, where Hydra would refuse it. Sweeps (``a=1,2``), packages (``a@pkg=1``) and ``hydra.*`` keys have no meaning for a
+no structure (brackets, quotes, commas) is the text typed, where Hydra would refuse it. Sweeps (``a=1,2``), packages
+(``a@pkg=1``) and ``hydra.*`` keys have no meaning for a
 single run and are refused.
 
 Hydra's parser is imported only when there are overrides (importing ``hydra`` costs ~0.4 s, which
@@ -34,12 +35,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, Node, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel
 
 from relax.config.bounded_yaml import LimitExceeded, Limits, check_json_shape
-from relax.spec.errors import SpecError, SpecIssue
+from relax.errors import SpecError, SpecIssue
 
 #: In a mapping that names a plugin, the key naming it and the key holding its options. When a
 #: file in an ``extends`` chain names another plugin than its parent does, the parent's options
@@ -221,20 +222,25 @@ def typed_value(override: Override) -> Any:
 # --- applying -------------------------------------------------------------------------------------
 
 def _present(cfg: DictConfig, key: str) -> Any:
-    """The value at ``key`` in the loaded tree, or ``_MISSING``."""
+    """The node at ``key`` in the loaded tree, or ``_MISSING``. Nodes are walked as written, never
+    resolved: an override may replace a value that interpolates a missing key (``name=${nope}``
+    then ``name=1``), and looking at it must not resolve the interpolation it replaces."""
     node: Any = cfg
     for part in key.split("."):
         if isinstance(node, DictConfig) and part in node:
-            node = node[part]
+            node = node._get_node(part)
         elif isinstance(node, ListConfig) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
-            node = node[int(part)]
+            node = node._get_node(int(part))
         else:
             return _MISSING
     return node
 
 
 def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=False) if isinstance(value, (DictConfig, ListConfig)) else value
+    """A node as plain Python, interpolations left as written."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=False)
+    return value._value() if isinstance(value, Node) else value
 
 
 def _delete(cfg: DictConfig, override: Override) -> None:
@@ -284,4 +290,5 @@ def apply_override(cfg: DictConfig, override: Override) -> None:
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     except (OmegaConfBaseException, IndexError, ValueError, TypeError) as exc:
         raise SpecError([SpecIssue(key, f"override cannot be applied: {exc}".splitlines()[0],
-                                   "check the path exists in the spec (lists take an index: rewards.0.weight)")]) from None
+                                   "check the path exists in the spec (lists take an index: "
+                                   "rewards.0.weight)")]) from None

@@ -11,12 +11,23 @@ to a string, number or boolean that is not itself an interpolation or ``???``) w
 ``\\``, ``{`` or ``}`` in the text around it (escapes, resolvers such as ``${oc.env:...}``, relative
 and nested interpolations, references to a section, a list item, a null or a missing key).
 tests/spec/test_plain_specs.py checks that the two agree wherever this answers.
+
+It resolves under the character caps of ``relax.config.interpolation_budget``: each value's size is
+summed from its pieces before they are joined, so a file of ``${a}${a}...`` refers to a long ``a``
+is refused (``SpecError`` naming the key) without being built.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from relax.config.interpolation_budget import (
+    MAX_RESOLVED_CHARS,
+    MAX_SPEC_RESOLVED_CHARS,
+    dotted,
+    too_large,
+)
 
 #: ``${a.b.c}``: an absolute interpolation of a node reached through mappings.
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\}")
@@ -36,37 +47,60 @@ def resolve_plain(data: dict[str, Any]) -> dict[str, Any] | None:
     if data.get("extends") is not None:
         return None
     try:
-        return _resolve(data, data)
+        return _Resolver(data).resolve(data, ())
     except _NeedsOmegaconf:
         return None
 
 
-def _resolve(value: Any, root: dict[str, Any]) -> Any:
-    kind = type(value)
-    if kind is dict:
-        if any(type(key) is not str for key in value):
-            raise _NeedsOmegaconf
-        return {key: _resolve(item, root) for key, item in value.items()}
-    if kind is list:
-        return [_resolve(item, root) for item in value]
-    if kind is str:
-        return _interpolate(value, root) if "${" in value else value
-    if value is None or kind in (int, float, bool):
-        return value
-    raise _NeedsOmegaconf
+class _Resolver:
+    """One file's resolution, with the characters its interpolations have produced so far."""
 
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.expanded = 0
+        self.found: dict[str, str | int | float | bool] = {}
 
-def _interpolate(text: str, root: dict[str, Any]) -> Any:
-    """A string holding ``${a.b}`` interpolations: the value itself when the string is one
-    interpolation (its type kept), else the text with each value's ``str`` put in its place."""
-    pieces = _REFERENCE.split(text)  # text, reference, text, ..., text
-    around, references = pieces[0::2], pieces[1::2]
-    if any(char in _GRAMMAR for part in around for char in part):
+    def resolve(self, value: Any, path: tuple[Any, ...]) -> Any:
+        kind = type(value)
+        if kind is dict:
+            if any(type(key) is not str for key in value):
+                raise _NeedsOmegaconf
+            return {key: self.resolve(item, (*path, key)) for key, item in value.items()}
+        if kind is list:
+            return [self.resolve(item, (*path, index)) for index, item in enumerate(value)]
+        if kind is str:
+            return self.interpolate(value, path) if "${" in value else value
+        if value is None or kind in (int, float, bool):
+            return value
         raise _NeedsOmegaconf
-    values = [_scalar_at(reference, root) for reference in references]
-    if around == ["", ""]:
-        return values[0]
-    return "".join(part + str(value) for part, value in zip(around, values)) + around[-1]
+
+    def interpolate(self, text: str, path: tuple[Any, ...]) -> Any:
+        """A string holding ``${a.b}`` interpolations: the value itself when the string is one
+        interpolation (its type kept), else the text with each value's ``str`` put in its place,
+        once its size is known to be within the caps."""
+        pieces = _REFERENCE.split(text)  # text, reference, text, ..., text
+        around, references = pieces[0::2], pieces[1::2]
+        if any(char in _GRAMMAR for part in around for char in part):
+            raise _NeedsOmegaconf
+        values = [self.scalar_at(reference) for reference in references]
+        if around == ["", ""]:
+            return values[0]
+        texts = [str(value) for value in values]
+        size = sum(map(len, around)) + sum(map(len, texts))
+        if size > MAX_RESOLVED_CHARS:
+            raise too_large(dotted(path), size, MAX_RESOLVED_CHARS)
+        self.expanded += size
+        if self.expanded > MAX_SPEC_RESOLVED_CHARS:
+            raise too_large(dotted(path), self.expanded, MAX_SPEC_RESOLVED_CHARS,
+                            "the interpolated values of the whole spec (up to this key)")
+        return "".join(part + value for part, value in zip(around, texts)) + around[-1]
+
+    def scalar_at(self, reference: str) -> str | int | float | bool:
+        """``_scalar_at``, once per reference (a file may name one long value many times)."""
+        found = self.found.get(reference)
+        if found is None:
+            found = self.found[reference] = _scalar_at(reference, self.root)
+        return found
 
 
 def _scalar_at(reference: str, root: dict[str, Any]) -> str | int | float | bool:

@@ -2,7 +2,7 @@
 
 Each function reads exactly the parts of the spec its kind of plugin may use and copies them into
 the kind's context of ``relax.contracts``; nothing else of the spec reaches a plugin. The runtime
-builds its plugins through these (``relax.runtime.components``); the same data can be shown or
+builds its plugins through these (``relax.runtime.worker.components``); the same data can be shown or
 stored with a plan, since the contexts are plain data.
 """
 
@@ -23,6 +23,7 @@ from relax.contracts import (
     TrainingInfo,
 )
 from relax.spec.models import RunSpec
+from relax.spec.run_length import run_steps
 
 #: Model roles a trainer backend is built for.
 TRAINER_ROLES = ("actor", "critic", "reference", "actor_fwd")
@@ -63,22 +64,43 @@ def chat_template_of(spec: RunSpec, base_dir: Path | None = None) -> str:
     return str(data_path(template, base_dir or Path.cwd()).resolve())
 
 
-def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu", base_dir: Path | None = None) -> RolloutContext:
+def lora_info(spec: RunSpec, role: str, base_dir: Path | None = None) -> Any:
+    """The ``relax.contracts.LoraInfo`` of the adapter ``role`` trains (actor, critic: its own
+    ``lora`` block) or follows (actor_fwd and the rollout: the actor's), with ``init_adapter`` made
+    absolute against the spec's folder; None without one, and always for the reference, which is the
+    frozen base model."""
+    from relax.contracts import LoraInfo
+
+    block = getattr(spec.roles, role if role in ("actor", "critic") else "actor", None)
+    lora = None if block is None or role == "reference" else getattr(block, "lora", None)
+    if lora is None:
+        return None
+    data = lora.model_dump()
+    if lora.init_adapter is not None:
+        folder = Path(lora.init_adapter).expanduser()
+        data["init_adapter"] = str(folder if folder.is_absolute() else (base_dir or Path.cwd()) / folder)
+    return LoraInfo.model_validate(data)
+
+
+def rollout_context(spec: RunSpec, model_path: str, device: str = "cpu",
+                    base_dir: Path | None = None) -> RolloutContext:
     """What the rollout backend of ``spec`` is built with (``base_dir``: the spec's folder, which
     a relative ``data.chat_template`` is taken from)."""
     role = spec.roles.rollout
     return RolloutContext(role="rollout", model=model_info(spec, model_path), sampling=sampling_info(spec),
                           parallel=_parallel(role), gpu_memory_utilization=role.gpu_memory_utilization,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
-                          chat_template=chat_template_of(spec, base_dir),
+                          on_long_prompt=spec.data.on_long_prompt, chat_template=chat_template_of(spec, base_dir),
                           max_trajectory_tokens=None if role.agent is None else role.agent.max_tokens,
-                          device=device, seed=spec.seed, record_routing=spec.algorithm.router_replay == "r3")
+                          device=device, seed=spec.seed, record_routing=spec.algorithm.router_replay == "r3",
+                          lora=lora_info(spec, "rollout", base_dir))
 
 
 def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cpu",
-                    loss: Any = None) -> TrainerContext:
+                    loss: Any = None, base_dir: Path | None = None) -> TrainerContext:
     """What the trainer backend of model role ``role`` is built with; ``loss`` is the built loss
-    plugin the actor optimises (None for the other roles)."""
+    plugin the actor optimises (None for the other roles); ``base_dir``: the spec's folder (a data
+    file counted for ``trainer.epochs`` is taken from it)."""
     if role not in TRAINER_ROLES:
         raise ValueError(f"'{role}' is not a model role; a trainer is built for {', '.join(TRAINER_ROLES)}")
     block = getattr(spec.roles, role)
@@ -90,12 +112,14 @@ def trainer_context(spec: RunSpec, role: str, model_path: str, device: str = "cp
         gradient_checkpointing=bool(getattr(block, "gradient_checkpointing", False)))
     return TrainerContext(role=role, model=model_info(spec, model_path), parallel=_parallel(block),
                           micro_batch_size=block.micro_batch_size, training=training,
+                          max_tokens_per_micro_batch=block.max_tokens_per_micro_batch,
                           updates_per_step=spec.algorithm.updates_per_step,
+                          total_steps=run_steps(spec, base_dir),
                           sampling_temperature=spec.roles.rollout.sampling.temperature,
                           max_prompt_tokens=spec.data.max_prompt_tokens, media=media_info(spec),
                           value_clip=spec.algorithm.value_clip,
                           mismatch_ratio_bound=spec.async_policy.mismatch.ratio_bound, device=device,
-                          seed=spec.seed, loss=loss,
+                          seed=spec.seed, loss=loss, lora=lora_info(spec, role, base_dir),
                           router_replay=spec.algorithm.router_replay if role in ("actor", "actor_fwd") else "off")
 
 

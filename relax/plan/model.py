@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
+from relax.algo.staleness import StalenessPolicy, staleness_policy
 from relax.spec.attribute_docs import DocumentedModel
 from relax.spec.models import AgentSpec, AutoStalenessSpec, EvalSpec, FaultToleranceSpec, MismatchSpec, TracingSpec
 
@@ -91,6 +92,11 @@ class WeightSyncEdge(PlanPart):
     mechanism: Literal["in-process", "object-store", "nccl-broadcast", "gloo-broadcast", "cuda-ipc"]
     """How the bytes move: same process, Ray object store, a weight group's broadcast (NCCL on GPUs,
     gloo on CPU: ``roles.rollout.weight_sync``), or CUDA IPC (shared GPUs)."""
+    bytes_per_sync: int | None = None
+    """Bytes one version moves (``relax.plan.memory.weight_sync_bytes``): the whole model, or the
+    LoRA adapter alone; None when the architecture is unknown."""
+    adapter_only: bool = False
+    """Only the actor's LoRA adapter moves (``roles.actor.lora``)."""
 
 
 class StalenessWindow(PlanPart):
@@ -230,6 +236,10 @@ class WorkerPlan(PlanPart):
     ranks: dict[str, list[int]] = Field(default_factory=dict)
     """Per model role spanning several processes: its instance ranks (0 is this worker, which starts
     the others on their planned bundles)."""
+    engine_per_rank: bool = False
+    """Colocation across ranks (``RunSpec.engine_per_rank``): every rank of the actor hosts a rollout
+    engine of its own in its process, generates a share of each step and takes the weights from its
+    own shards; the rollout's replicas past the first are those engines, not workers."""
 
     @property
     def pool(self) -> str:
@@ -264,6 +274,10 @@ class RunSettings(PlanPart):
     name: str
     seed: int
     steps: int
+    """The run's training steps: ``trainer.steps``, or ``trainer.epochs`` resolved against the
+    training set's size (``relax.spec.run_length``)."""
+    epochs: float | None = None
+    """``trainer.epochs`` when the steps were resolved from it; None: ``trainer.steps`` gave them."""
     output_dir: str
     """``trainer.output_dir`` as the spec says it; ``relax run`` resolves it against the working
     folder and tells each worker the absolute folder."""
@@ -289,7 +303,11 @@ class RunSettings(PlanPart):
     """``roles.rollout.agent``: multi-turn agentic rollouts (the environment itself is among the
     rollout's plugins); None: one response per sample."""
     partial: bool = False
-    """``roles.rollout.partial``: partial rollouts (``relax.runtime.partial``)."""
+    """``roles.rollout.partial``: partial rollouts (``relax.runtime.worker.partial``)."""
+    sampler: str = "plain"
+    """How the rollout draws a unit's samples (``relax.runtime.worker.sampling``): ``plain``,
+    ``agent`` (``roles.rollout.agent``) or ``partial`` (``roles.rollout.partial``); inside
+    ``dynamic(...)`` with DAPO's dynamic sampling (``algorithm.dynamic_sampling``)."""
     auto_staleness: AutoStalenessSpec | None = None
     """``async_policy.max_staleness: auto``: how the bound is chosen (``max_staleness`` is then
     ``auto.max``, the cap); None: the bound is ``max_staleness``, fixed."""
@@ -300,7 +318,18 @@ class RunSettings(PlanPart):
     policy versions (and at 0 and the end); 0: only after the last step."""
     evaluation: EvalSpec | None = None
     """``trainer.eval`` when ``data.eval`` is set (who evaluates is in the workers' wiring:
-    ``relax.runtime.evaluation``); None: no evaluation."""
+    ``relax.runtime.worker.evaluation``); None: no evaluation."""
+    log_samples_every: int = 0
+    """``trainer.log_samples_every``: the steps whose rows the scorer picks samples from (every this
+    many; 0: none)."""
+    log_samples: int = 4
+    """``trainer.log_samples``: rows kept of a sampled step."""
+
+    def staleness_policy(self) -> StalenessPolicy:
+        """The run's staleness policy (``relax.algo.staleness``): the one way the runtime reads
+        ``max_staleness`` and ``auto_staleness``. A new object each call: ``auto`` keeps its state
+        in the run-state actor, which owns the run's."""
+        return staleness_policy(self.max_staleness, self.auto_staleness)
 
 
 class RolloutWork(PlanPart):
@@ -313,6 +342,26 @@ class RolloutWork(PlanPart):
     """The most rollout replicas the run may have (``max_replicas`` or ``replicas``)."""
     ragged: bool
     """Several units per step: token columns go on the bus unpadded (their layouts would differ)."""
+
+
+class PlanHint(PlanPart):
+    """A note on the plan that says what to change: ``relax plan`` shows it, and the overrides of
+    ``fix`` act on it."""
+
+    text: str
+    """The note in words (also in ``Plan.notes``), ending with the fix as overrides when it has one."""
+    fix: list[str] = Field(default_factory=list)
+    """Command-line overrides (``key=value``) that act on the note and with which the spec still
+    validates and plans; empty when no single change does."""
+
+
+class UnusedGpus(PlanHint):
+    """GPUs of the cluster that no role is placed on."""
+
+    count: int
+    """How many of ``cluster.nodes x cluster.gpus_per_node`` no role uses."""
+    by_node: dict[str, list[int]]
+    """The unused GPU indices, by node index (as text: JSON's keys)."""
 
 
 class Plan(PlanPart):
@@ -350,10 +399,15 @@ class Plan(PlanPart):
     tolerance, tracing) the controller and the workers read."""
     notes: list[str] = Field(default_factory=list)
     """Assumptions and caveats of the estimate."""
-    cores_note: str | None = None
+    cores_note: PlanHint | None = None
     """Set when this machine's cores are too few for the placement mode (a CPU-only run outside
     colocate mode whose model processes get one torch thread each): the one note that changes what
-    a user would run, so ``relax run`` prints it too (also in ``notes``)."""
+    a user would run, so ``relax run`` prints it too (also in ``notes``), with the overrides that
+    run it in colocate mode."""
+    unused_gpus: UnusedGpus | None = None
+    """Set when the cluster has GPUs no role is placed on: how many, where, and the overrides that
+    use them (more rollout replicas, a larger actor) or, failing that, a cluster that has none to
+    spare (also in ``notes``)."""
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)

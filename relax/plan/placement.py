@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from relax.errors import SpecError, SpecIssue, overrides
 from relax.plan.model import Bundle, Pool, RoleInstance
-from relax.roles import EVALUATION, Role
-from relax.spec.errors import SpecError, SpecIssue
-from relax.spec.models import ForwardRole, RunSpec
 from relax.plan.wiring import advantage_reads
+from relax.roles import EVALUATION, Role
+from relax.spec.models import ForwardRole, RunSpec
 
 CPUS_PER_GPU_BUNDLE = 1.0
 
@@ -45,7 +45,8 @@ class GpuCursor:
                 self.used[node] += size
                 return [(node, used + i) for i in range(size)]
         raise SpecError([SpecIssue("cluster", f"the roles do not fit: {path} needs {size} GPUs on one node, but "
-                                   f"the earlier roles left only {', '.join(str(self.per_node - u) for u in self.used)} "
+                                   "the earlier roles left only "
+                                   f"{', '.join(str(self.per_node - u) for u in self.used)} "
                                    "free per node", "add nodes, or choose group sizes that pack into "
                                    "cluster.gpus_per_node")])
 
@@ -82,11 +83,14 @@ def rank_coords(rank: int, tp: int, cp: int, dp: int) -> dict[str, int]:
 
 
 def _trained_instances(name: str, role: ForwardRole, pool: PoolBuilder, bundles: list[int]) -> None:
-    """One instance per GPU (rank); a CPU role is one instance on its own CPU bundle."""
+    """One instance per GPU (rank); a CPU role is one instance per ``cpu_ranks`` (data-parallel
+    ranks), each on a CPU bundle of its own (``bundles``' when given)."""
     if role.gpus == 0:
-        index = bundles[0] if bundles else pool.add_cpu_bundle(1.0)
-        pool.instances.append(RoleInstance(role=name, rank=0, pool=pool.name, bundles=[index],
-                                           node=pool.bundles[index].node, coords={"dp": 0, "tp": 0, "pp": 0, "cp": 0}))
+        for rank in range(role.cpu_ranks):
+            index = bundles[rank] if rank < len(bundles) else pool.add_cpu_bundle(1.0)
+            pool.instances.append(RoleInstance(role=name, rank=rank, pool=pool.name, bundles=[index],
+                                               node=pool.bundles[index].node,
+                                               coords=rank_coords(rank, 1, 1, role.cpu_ranks)))
         return
     par = role.parallel
     dp = role.gpus // par.model_parallel
@@ -184,11 +188,13 @@ def _evaluation_worker(spec: RunSpec, cursor: GpuCursor | None, builders: list[P
         except SpecError:
             if spec.trainer.eval.host == "auto":
                 return
-            free = sum(cursor.per_node - used for used in cursor.used) if cursor.used else cursor.per_node * cursor.nodes
+            free = (sum(cursor.per_node - used for used in cursor.used) if cursor.used
+                    else cursor.per_node * cursor.nodes)
             raise SpecError([SpecIssue("trainer.eval.host", f"an evaluation worker of its own needs {gpus} free GPUs "
                                        f"on one node (roles.rollout.gpus_per_replica), but the roles leave {free} "
                                        "free", "set trainer.eval.host: rollout (the rollout evaluates between "
-                                       "steps) or auto, or add GPUs to the cluster")]) from None
+                                       "steps) or auto, or add GPUs to the cluster",
+                                       overrides(trainer__eval__host="rollout"))]) from None
     first = pool.bundles[mine[0]]
     pool.instances.append(RoleInstance(role=EVALUATION, rank=0, pool=pool.name, bundles=mine, node=first.node,
                                        gpus=[g for i in mine for g in pool.bundles[i].gpus]))
@@ -213,12 +219,15 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
     rollout_unit = max(1, roles.rollout.gpus_per_replica)
     if mode == "colocate":
         pool = PoolBuilder(name="colocate", roles=[Role.actor, Role.rollout])
-        bundles = pool.add_gpu_bundles(_take_units(cursor, roles.actor.gpus, math.lcm(roles.actor.parallel.tp, rollout_unit),
-                                                   "roles.actor.parallel.tp"))
-        if not bundles:
-            bundles = [pool.add_cpu_bundle(1.0)]
+        unit = math.lcm(roles.actor.parallel.tp, rollout_unit)
+        bundles = pool.add_gpu_bundles(_take_units(cursor, roles.actor.gpus, unit, "roles.actor.parallel.tp"))
+        if not bundles:  # on CPU: a bundle per actor rank
+            bundles = [pool.add_cpu_bundle(1.0) for _ in range(roles.actor.cpu_ranks)]
         _trained_instances(Role.actor, roles.actor, pool, bundles)
-        _rollout_instances(spec, pool, bundles if roles.rollout.gpus_per_replica else [bundles[0]] * roles.rollout.replicas)
+        # each replica on its GPUs; on CPU in the actor's first process, or in each rank's
+        # (colocation across ranks: ``RunSpec.engine_per_rank``)
+        _rollout_instances(spec, pool, bundles if roles.rollout.gpus_per_replica or spec.engine_per_rank
+                           else [bundles[0]] * roles.rollout.replicas)
         for name, role in trained.items():
             if name != Role.actor:
                 pool.roles.append(name)
@@ -235,7 +244,9 @@ def plan_placement(spec: RunSpec) -> tuple[list[Pool], list[RoleInstance]]:
         for name, role in trained.items():
             if name == Role.actor:
                 continue
-            if mode == "hybrid" and name in (Role.reference, Role.actor_fwd):
+            # With the actor's LoRA the reference is the actor's base model, adapter off: beside it.
+            if (mode == "hybrid" and name in (Role.reference, Role.actor_fwd)) or \
+                    (name == Role.reference and roles.actor.lora is not None):
                 actor_pool.roles.append(name)
                 _trained_instances(name, role, actor_pool, actor_bundles)
             else:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
-from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleWiring
-from relax.roles import EVALUATION
+from relax.config.redaction import NONE as NO_REDACTIONS
+from relax.config.redaction import Redactions
+from relax.plan.model import DeviceMemory, MemoryItem, Plan, RoleWiring, WorkerPlan
+from relax.roles import EVALUATION, Role
 
 
 def _human_params(n: int | None) -> str:
@@ -17,10 +20,18 @@ def _human_params(n: int | None) -> str:
     return f"{n} params"
 
 
+def _engines(plan: Plan, worker: WorkerPlan) -> str:
+    """Where each rank of a colocated actor and its rollout engine run: ``rank 0 gpu0, rank 1 gpu1``."""
+    return ", ".join(f"rank {i.rank} " + (f"gpu{','.join(map(str, i.gpus))}" if i.gpus else f"cpu[{i.bundles[0]}]")
+                     for i in plan.instances_of(Role.actor))
+
+
 def _instance_label(role: str, ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"{role}[{ranks[0]}]"
-    return f"{role}[{ranks[0]}..{ranks[-1]}]" if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"{role}x{len(ranks)}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{role}[{ranks[0]}..{ranks[-1]}]"
+    return f"{role}x{len(ranks)}"
 
 
 def _loop_line(loop: RoleWiring) -> str:
@@ -49,7 +60,16 @@ def _loop_line(loop: RoleWiring) -> str:
 def render_table(plan: Plan) -> str:
     """Per node and GPU: the roles there and the estimated memory; then pools, bus and sync."""
     lines = [f"Plan for {plan.run}: {plan.mode} mode, {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s), "
-             f"{plan.gpus_used} GPU(s) used, model {plan.model} ({_human_params(plan.model_params)})", ""]
+             f"{plan.gpus_used} GPU(s) used, model {plan.model} ({_human_params(plan.model_params)})"]
+    if plan.settings is not None:
+        settings = plan.settings
+        length = f"{settings.steps} training step(s)"
+        if settings.epochs is not None:
+            length += (f" (trainer.epochs={settings.epochs:g} over the training set, "
+                       f"{settings.prompts_per_step} prompts a step)")
+        lines.append(f"Run: {length}")
+        lines.append(f"Rollout sampler: {settings.sampler}")
+    lines.append("")
     lines.append("Pools (Ray placement groups):")
     for pool in plan.pools:
         gpus = pool.gpu_count
@@ -79,6 +99,8 @@ def render_table(plan: Plan) -> str:
     for worker in plan.workers:
         gpus = f"gpu {','.join(map(str, worker.instance.gpus))}" if worker.instance.gpus else "cpu"
         ranks = "".join(f"; {role} ranks {len(r)}" for role, r in worker.ranks.items())
+        if worker.engine_per_rank:
+            ranks += f", a rollout engine in each ({_engines(plan, worker)})"
         lines.append(f"  {worker.holder:<28} {worker.pool}[{worker.bundle}] node {worker.instance.node} {gpus}, "
                      f"{worker.threads} thread(s){ranks}")
         for loop in worker.roles:
@@ -88,7 +110,9 @@ def render_table(plan: Plan) -> str:
         lines.append(f"  {f.name:<18} {f.writer} -> {', '.join(f.readers)}")
     lines += ["", "Weight sync:"]
     for e in plan.weight_sync:
-        lines.append(f"  {e.source} -> {e.target} ({e.mechanism})")
+        size = "" if e.bytes_per_sync is None else \
+            f", {_byte_text(e.bytes_per_sync)} per sync{', LoRA adapter only' if e.adapter_only else ''}"
+        lines.append(f"  {e.source} -> {e.target} ({e.mechanism}{size})")
     st = plan.staleness
     lines += ["", f"Staleness: max_staleness {st.max_staleness}, correction {st.correction}: {st.rule}"]
     lines.append("  " + "; ".join(f"step {w.step}: versions {w.min_version}..{w.max_version}" for w in st.first_steps))
@@ -158,12 +182,28 @@ def _memory_contents(dev: DeviceMemory) -> list[str]:
     return lines
 
 
-def render(plan: Plan, fmt: str = "table") -> str:
-    """The plan in one of: table, json, dot, mermaid."""
+def render(plan: Plan, fmt: str = "table", redactions: Redactions | None = None) -> str:
+    """The plan in one of: table, json, dot, mermaid. ``redactions`` (the spec's, see
+    ``relax.config.redaction``): plugin options hold what the spec gave them, so a value taken
+    from the environment is shown as its expression and a credential named as such is redacted;
+    the plan itself, which the workers are built from, keeps the real values."""
+    redactions = redactions or NO_REDACTIONS
     if fmt == "json":
-        return plan.model_dump_json(indent=2) + "\n"
+        data = plan.model_dump(mode="json")
+        shown = redactions.data_view(data)
+        if shown == data:  # pydantic's own JSON, as before
+            return plan.model_dump_json(indent=2) + "\n"
+        return json.dumps(shown, indent=2, ensure_ascii=False) + "\n"
     if fmt == "dot":
-        return render_dot(plan)
+        return redactions.text_view(render_dot(plan))
     if fmt == "mermaid":
-        return render_mermaid(plan)
-    return render_table(plan)
+        return redactions.text_view(render_mermaid(plan))
+    return redactions.text_view(render_table(plan))
+
+
+def _byte_text(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number of at least 1 (``12.5 MiB``)."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

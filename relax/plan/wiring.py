@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relax.contracts import PluginKind
+from relax.contracts import PluginKind, prompt_char_limit
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.plan.model import (
     DataSettings,
@@ -28,12 +28,12 @@ from relax.plan.model import (
 )
 from relax.registry import PluginError, get_registry, trait
 from relax.roles import (
+    AGENT_COLUMNS,
     CRITIC_VALUES,
     EVALUATION,
     MODEL_ROLES,
     OPTIONAL_ROLES,
     RANKED_ROLES,
-    AGENT_COLUMNS,
     ROLLOUT_COLUMNS,
     ROUTING_COLUMNS,
     STEP_ROLES,
@@ -46,6 +46,7 @@ from relax.spec.architecture import ModelArchitecture
 from relax.spec.data_files import data_path
 from relax.spec.models import RunSpec
 from relax.spec.rules import advantage_and_loss, dataset_plugin, receives_collectively
+from relax.spec.run_length import run_steps
 
 #: Not a column of its own: ``response`` is announced once a step's rollout rows are on the bus,
 #: which is what readers of those rows wait for.
@@ -90,11 +91,14 @@ def advantage_reads(spec: RunSpec) -> tuple[str, ...]:
 def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
     """The weight channel of a run outside colocate mode, ``roles.rollout.weight_sync`` resolved:
     ``auto`` is ``collective`` where the rollout backend receives collectively and the actor and
-    the rollout have GPUs, ``object_store`` otherwise. ``backend`` defaults to the registered class."""
+    the rollout have GPUs (and the actor trains no LoRA adapter), ``object_store`` otherwise. ``backend`` defaults to
+    the registered class."""
     rollout = spec.roles.rollout
     if rollout.weight_sync != "auto":
         return rollout.weight_sync
     if spec.placement.mode == "colocate" or not (rollout.gpus_per_replica > 0 and spec.roles.actor.gpus > 0):
+        return "object_store"
+    if spec.roles.actor.lora is not None:  # a LoRA adapter is small (the vllm rollout takes it no other way)
         return "object_store"
     if backend is None:
         try:
@@ -104,9 +108,17 @@ def weight_sync(spec: RunSpec, backend: type | None = None) -> str:
     return "collective" if receives_collectively(backend) else "object_store"
 
 
+def rollout_sampler(spec: RunSpec) -> str:
+    """The name of the sampler the rollout draws with (``RunSettings.sampler``): the runtime builds
+    it by this name, and ``relax plan`` shows it."""
+    rollout = spec.roles.rollout
+    inner = "agent" if rollout.agent is not None else "partial" if rollout.partial else "plain"
+    return f"dynamic({inner})" if spec.algorithm.dynamic_sampling.enabled else inner
+
+
 def rollout_work(spec: RunSpec) -> RolloutWork:
     unit, units = spec.rollout_units()
-    return RolloutWork(unit_prompts=unit, units_per_step=units, replica_limit=spec.roles.rollout.replica_limit,
+    return RolloutWork(unit_prompts=unit, units_per_step=units, replica_limit=spec.rollout_producers,
                        ragged=units > 1)
 
 
@@ -139,14 +151,17 @@ def dataset_use(spec: RunSpec, base_dir: Path, split: str = "train") -> PluginUs
     options = {**implied, **source.options}
     if "path" in implied:  # "~" expanded, a relative path from the spec's folder, as validation reads it
         options["path"] = str(data_path(options["path"], base_dir))
-    if "path" in implied:  # a data file: its rows' prompts are checked to be text as it is read
+    if "path" in implied:  # a data file: its rows' prompts are checked to be text, and bounded, as it is read
         options.setdefault("prompt_key", spec.data.prompt_key)
+        options.setdefault("max_prompt_chars", prompt_char_limit(spec.data.max_prompt_tokens))
+        options.setdefault("on_long_prompt", spec.data.on_long_prompt)
     return _use(PluginKind.datasets, name, options)
 
 
 def reward_uses(spec: RunSpec) -> list[RewardUse]:
     return [RewardUse(key=r.key, plugin=_use(PluginKind.rewards, r.name, r.options), weight=r.weight,
-                      timeout_s=r.timeout_s, on_error=r.on_error, max_error_frac=r.max_error_frac, always=r.always) for r in spec.rewards]
+                      timeout_s=r.timeout_s, on_error=r.on_error, max_error_frac=r.max_error_frac, always=r.always)
+            for r in spec.rewards]
 
 
 def rollout_use(spec: RunSpec, threads: int | None = None, base_dir: Path | None = None) -> PluginUse:
@@ -158,11 +173,12 @@ def rollout_use(spec: RunSpec, threads: int | None = None, base_dir: Path | None
                 rollout_context(spec, spec.model.path, base_dir=base_dir))
 
 
-def trainer_use(spec: RunSpec, role: str, threads: int | None = None) -> PluginUse:
-    """A model role's trainer backend, its options and context (the model as for the rollout)."""
+def trainer_use(spec: RunSpec, role: str, threads: int | None = None, base_dir: Path | None = None) -> PluginUse:
+    """A model role's trainer backend, its options and context (the model as for the rollout;
+    ``base_dir``: the spec's folder, which a data file counted for ``trainer.epochs`` is taken from)."""
     block = getattr(spec.roles, role)
     return _use(PluginKind.trainer, block.backend, _backend_options(block.options, threads),
-                trainer_context(spec, role, spec.model.path))
+                trainer_context(spec, role, spec.model.path, base_dir=base_dir))
 
 
 def advantage_use(spec: RunSpec) -> PluginUse:
@@ -224,7 +240,7 @@ class _WorkerWiring:
         # scorer rides on the rollout only when one replica makes whole steps (with several, a
         # step's units come from different processes and are scored from the bus). An estimator
         # that reads columns of the critic or the reference waits for them on the bus instead.
-        scorer_on_rollout = {Role.rollout, Role.reward} <= roles and spec.roles.rollout.replica_limit == 1
+        scorer_on_rollout = {Role.rollout, Role.reward} <= roles and spec.rollout_producers == 1
         inline_advantage = {Role.reward, Role.advantage} <= roles and not reads_of_others
         inline_actor = scorer_on_rollout and inline_advantage and self._actor_takes_in_memory()
         advantage_tokens = critic or (estimator is not None
@@ -239,7 +255,8 @@ class _WorkerWiring:
                 role=Role.rollout, task=Role.rollout,
                 plugins=[rollout_use(spec, self.threads, self.base_dir),
                          dataset_use(spec, self.base_dir), *media, *environment],
-                writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)], hands_to=Role.reward if scorer_on_rollout else None,
+                writes=[*ROLLOUT_COLUMNS, *_media(spec), *_agent(spec), *_routing(spec)],
+                hands_to=Role.reward if scorer_on_rollout else None,
                 weights_in=_weights_channel(spec, roles), reports=[Role.rollout] if self.replica == 0 else [],
                 evaluation=dataset_use(spec, self.base_dir, "eval") if evaluates_here else None,
                 evaluation_rewards=reward_uses(spec) if evaluates_here and not scorer_on_rollout else [])
@@ -253,13 +270,18 @@ class _WorkerWiring:
         if Role.reward in roles:
             wired[Role.reward] = RoleWiring(
                 role=Role.reward, task=Role.reward, rewards=reward_uses(spec),
-                reads=[Column.prompt, Column.response, Column.label], takes_from=Role.rollout if scorer_on_rollout else None,
+                reads=[Column.prompt, Column.response, Column.label],
+                takes_from=Role.rollout if scorer_on_rollout else None,
                 waits_for=[] if scorer_on_rollout else [RESPONSE_READY], writes=[Column.rewards],
                 hands_to=Role.advantage if inline_advantage else None, reports=[Role.reward])
         if Role.reference in roles:
-            wired[Role.reference] = self._forward(Role.reference, Column.ref_logprobs, weights_in=None)
+            # With the actor's LoRA beside it, the reference is the actor's own base model with the
+            # adapter disabled (its trainer's compute_base_logprobs): no second copy of the model.
+            base = spec.roles.actor.lora is not None and Role.actor in roles
+            wired[Role.reference] = self._forward(Role.reference, Column.ref_logprobs,
+                                                  weights_in="shared" if base else None)
         if Role.critic in roles:
-            trainer = trainer_use(spec, Role.critic, self.threads)
+            trainer = trainer_use(spec, Role.critic, self.threads, self.base_dir)
             wired[CRITIC_VALUES] = RoleWiring(role=Role.critic, task=CRITIC_VALUES, plugins=[trainer],
                                               reads=[*TOKEN_COLUMNS, *_agent(spec)], waits_for=[RESPONSE_READY],
                                               writes=[Column.values], reports=[CRITIC_VALUES])
@@ -289,7 +311,7 @@ class _WorkerWiring:
                 outgoing.append("object-store")  # an actor_fwd elsewhere, an evaluation worker load from there
             wired[Role.actor] = RoleWiring(
                 role=Role.actor, task=Role.actor,
-                plugins=[trainer_use(spec, Role.actor, self.threads), loss_use(spec)],
+                plugins=[trainer_use(spec, Role.actor, self.threads, self.base_dir), loss_use(spec)],
                 reads=[*TRAIN_COLUMNS, *optional, *_media(spec), *_agent(spec), *_routing(spec)],
                 takes_from=Role.advantage if inline_actor else None,
                 waits_for=[] if inline_actor else [Column.advantages, *optional],
@@ -309,7 +331,7 @@ class _WorkerWiring:
 
     def _forward(self, role: str, column: str, weights_in: str | None) -> RoleWiring:
         shared = weights_in == "shared"
-        plugins = [] if shared else [trainer_use(self.spec, role, self.threads)]
+        plugins = [] if shared else [trainer_use(self.spec, role, self.threads, self.base_dir)]
         # actor_fwd's proximal log-probs are the actor's policy: routed like the actor's (r3).
         routing = _routing(self.spec) if role == Role.actor_fwd else ()
         return RoleWiring(role=role, task=role, plugins=plugins,
@@ -364,7 +386,7 @@ def crowded_cores_note(spec: RunSpec, workers: list[WorkerPlan], cores: int | No
         return None
     return (f"{len(model)} model processes share this machine's {cores} core{'s' if cores > 1 else ''}, one torch "
             f"thread each: {spec.placement.mode} mode overlaps generating with training only on spare cores, so "
-            "placement.mode=colocate is likely faster here (docs/runtime.md)")
+            "colocate mode is likely faster here (docs/runtime.md)")
 
 
 def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
@@ -387,7 +409,8 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
     for role in roles:
         first = of(role)[0]
         by_bundle.setdefault((first.pool, first.bundles[0]), []).append(first)
-    replicas = of(Role.rollout)[1:]
+    # Colocation across ranks: the rollout's other replicas live in the actor's other ranks.
+    replicas = [] if spec.engine_per_rank else of(Role.rollout)[1:]
     extra_ranks = sum(len(of(role)) - 1 for role in RANKED_ROLES if role in roles)
     model_processes = (sum(1 for group in by_bundle.values() if MODEL_ROLES & {i.role for i in group})
                        + len(replicas) + extra_ranks)
@@ -399,21 +422,23 @@ def plan_workers(spec: RunSpec, instances: list[RoleInstance], base_dir: Path,
         anchor = next((i for i in group if i.role == Role.actor), group[0])
         own = threads if MODEL_ROLES & set(names) else 1
         ranks = {role: [i.rank for i in of(role)] for role in names if role in RANKED_ROLES and len(of(role)) > 1}
-        workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks, bool(evaluator)))
+        engines = spec.engine_per_rank and {Role.actor, Role.rollout} <= set(names)
+        workers.append(_worker(spec, base_dir, names, anchor, own, 0, ranks, bool(evaluator), engines))
     workers += [_worker(spec, base_dir, [Role.rollout], instance, threads, instance.rank, {}) for instance in replicas]
     # Not counted among the model processes above: on GPUs it has devices of its own; on CPU it
     # runs one thread at the lowest priority, in the time the others leave idle (its torch threads
-    # would otherwise be started before it lowers its priority: relax.runtime.evaluation).
+    # would otherwise be started before it lowers its priority: relax.runtime.worker.evaluation).
     workers += [_worker(spec, base_dir, [EVALUATION], instance, threads if instance.gpus else 1, 0, {}, True)
                 for instance in evaluator]
     return workers
 
 
 def _worker(spec: RunSpec, base_dir: Path, roles: list[str], anchor: RoleInstance, threads: int, replica: int,
-            ranks: dict[str, list[int]], evaluator: bool = False) -> WorkerPlan:
+            ranks: dict[str, list[int]], evaluator: bool = False, engine_per_rank: bool = False) -> WorkerPlan:
     return WorkerPlan(holder=holder_name(roles, replica),
                       roles=_WorkerWiring(spec, base_dir, roles, threads, replica, evaluator).build(),
-                      instance=anchor, replica=replica, threads=threads, ranks=ranks)
+                      instance=anchor, replica=replica, threads=threads, ranks=ranks,
+                      engine_per_rank=engine_per_rank)
 
 
 def rollout_replica(spec: RunSpec, workers: list[WorkerPlan], base_dir: Path) -> WorkerPlan | None:
@@ -433,7 +458,8 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
     algo, data = spec.algorithm, spec.data
     media_dir = media_base_dir(spec, base_dir) if data.media_keys else None
     return RunSettings(
-        name=spec.name, seed=spec.seed, steps=spec.trainer.steps, output_dir=spec.trainer.output_dir,
+        name=spec.name, seed=spec.seed, steps=run_steps(spec, base_dir), epochs=spec.trainer.epochs,
+        output_dir=spec.trainer.output_dir,
         checkpoint_every=spec.trainer.checkpoint_every, keep_checkpoints=spec.trainer.keep_checkpoints,
         export_every=spec.trainer.export_every or 0,
         prompts_per_step=algo.prompts_per_step, samples_per_prompt=algo.samples_per_prompt,
@@ -447,7 +473,8 @@ def run_settings(spec: RunSpec, base_dir: Path) -> RunSettings:
         fault_tolerance=spec.fault_tolerance.model_copy(deep=True), tracing=spec.tracing.model_copy(deep=True),
         bus_node_resource=spec.cluster.bus_node_resource,
         agent=None if spec.roles.rollout.agent is None else spec.roles.rollout.agent.model_copy(deep=True),
-        partial=spec.roles.rollout.partial,
+        partial=spec.roles.rollout.partial, sampler=rollout_sampler(spec),
         mismatch=spec.async_policy.mismatch.model_copy(deep=True),
         eval_every=spec.trainer.eval_every or 0,
-        evaluation=None if data.eval is None else spec.trainer.eval.model_copy(deep=True))
+        evaluation=None if data.eval is None else spec.trainer.eval.model_copy(deep=True),
+        log_samples_every=spec.trainer.log_samples_every, log_samples=spec.trainer.log_samples)

@@ -3,7 +3,7 @@ half-written one that ``--resume`` would pick up.
 
 ``<output_dir>/checkpoints/step-<n>/`` holds the trainer's own state (model and optimizer, via the
 plugin's ``save``) and ``meta.json`` (the step; the data position and the sampling seeds are pure
-functions of the step, see ``relax.runtime.data``). The built-in trainers' ``trainer/`` folder is a
+functions of the step, see ``relax.runtime.worker.data``). The built-in trainers' ``trainer/`` folder is a
 Hugging Face model folder, so ``AutoModelForCausalLM.from_pretrained(".../step-<n>/trainer")``
 loads it.
 
@@ -24,12 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax.runtime.failure_class import as_disk_full
+
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 META = "meta.json"
 #: Files of the built-in trainers' ``save`` folder that are training state, not the model: an
-#: export leaves them out.
-TRAINING_STATE_FILES = frozenset({"optimizer.pt", "trainer_state.json"})
+#: export leaves them out (``sharded``: a sharded torch trainer's model and optimizer shards).
+TRAINING_STATE_FILES = frozenset({"optimizer.pt", "trainer_state.json", "sharded"})
 FOLDER_MODE, FILE_MODE = 0o755, 0o644
 
 
@@ -57,6 +59,11 @@ def save_checkpoint(output_dir: Path, step: int, trainer: Any, keep: int) -> Pat
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
+    except Exception as exc:
+        full = as_disk_full(exc, staging, f"the checkpoint of step {step}")
+        if full is not None:
+            raise full from exc
+        raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -80,7 +87,9 @@ def export_model(output_dir: Path, step: int, trainer: Any, checkpoint: Path | N
     """Write ``<output_dir>/export/step-<step>/``: the model in ``save_pretrained`` layout with its
     tokenizer or processor, and no training state. With ``checkpoint`` (this step's, just written)
     its ``trainer/`` files are hard-linked (copied where links are refused); else the trainer's
-    ``save`` writes them. Atomic like a checkpoint. Every rank of a trainer calls it (``save`` may
+    ``save`` writes them. A LoRA run's export is the PEFT adapter folder (what its checkpoint holds),
+    plus ``merged/`` (the merged model) when the adapter's ``export_merged`` is on. Atomic like a checkpoint. Every rank
+    of a trainer calls it (``save`` may
     be collective); None on a rank where ``save`` wrote nothing (only rank 0 writes)."""
     root = output_dir / EXPORT
     root.mkdir(parents=True, exist_ok=True)
@@ -107,6 +116,9 @@ def export_model(output_dir: Path, step: int, trainer: Any, checkpoint: Path | N
                 os.link(path, model / rel)
             except OSError:  # another file system, or links not allowed
                 shutil.copy2(path, model / rel)
+        merged = getattr(trainer, "save_merged_model", None)  # a LoRA adapter's export_merged: merged/ beside it
+        if merged is not None:
+            merged(str(model / "merged"))
         open_permissions(model)
         if final.exists():
             shutil.rmtree(final)

@@ -13,15 +13,62 @@ traceback and chain still exist): a mistake class anywhere in its chain (a ``Run
 raised from a ``KeyError`` counts), raised by code that is not the run's machinery, and no
 transient failure in the chain. Anything else (``RuntimeError``, ``OSError``, Ray's errors)
 keeps the policy's restart, as before: a wrong "transient" costs a few restarts, a wrong "mistake"
-costs the run, so the mistake list is short and explicit. Process deaths and hangs never reach
+costs the run, so the mistake list is short and explicit. Agentic trajectories that end by
+failures past ``agent.max_failed_frac`` (``InfraFailureLimit``) stop the run too. A full disk
+(``ENOSPC``/``EDQUOT``,
+``DiskFull``) repeats too: it stops the run naming the file, instead of a resume that fills it again. Process deaths and
+hangs never reach
 here (the controller sees them from Ray and the heartbeats).
 """
 
 from __future__ import annotations
 
+import errno
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
+from relax.agents.outcomes import InfraFailureLimit
 from relax.contracts import TransientError
+
+#: ``errno`` values of a disk (or quota) that is full: a retry, a restart or a resume writes to the
+#: same disk and fails the same way, so they stop the run with the file named.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: Free bytes under which a failed write is taken for a full disk when the library that wrote it
+#: raised something other than ``OSError`` (``torch.save`` raises a ``RuntimeError``).
+NEARLY_FULL_BYTES = 16 * 1024 * 1024
+
+
+class DiskFull(OSError):
+    """A write that failed because its disk is full; the message names the file and what to do."""
+
+    def __init__(self, path: Path | str, what: str = "") -> None:
+        doing = f" ({what})" if what else ""
+        super().__init__(errno.ENOSPC, f"disk full: cannot write {path}{doing}; free space on that disk (or give "
+                                       "trainer.output_dir on another one), then relax run --resume")
+        self.filename = str(path)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The full-disk ``OSError`` in ``exc``'s chain, or None."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS), None)
+
+
+def as_disk_full(exc: BaseException, path: Path, what: str = "") -> DiskFull | None:
+    """``DiskFull`` naming ``path`` when ``exc`` (raised while writing it) came from a full disk: an
+    ``ENOSPC``/``EDQUOT`` in its chain, or, for a library that words it otherwise, less than
+    ``NEARLY_FULL_BYTES`` left on that disk; None otherwise."""
+    if disk_full(exc) is None:
+        try:
+            folder = next(p for p in (path, *path.parents) if p.exists())
+            if shutil.disk_usage(folder).free >= NEARLY_FULL_BYTES:
+                return None
+        except (OSError, StopIteration):
+            return None
+    return DiskFull(path, what)
 
 #: Exceptions that a retry reproduces: bugs, bad data, bad options. ``ValueError`` covers
 #: ``UnicodeDecodeError``, ``json.JSONDecodeError`` and pydantic's ``ValidationError``.
@@ -42,6 +89,10 @@ MACHINERY = ("ray", "torch.distributed", "zmq", "transfer_queue", "tensordict", 
 def repeats_on_retry(exc: BaseException) -> bool:
     """Whether ``exc`` (caught in a role's step loop) would happen again on a restarted worker."""
     chain = list(_chain(exc))
+    if disk_full(exc) is not None:  # the same disk on the next try
+        return True
+    if any(isinstance(e, InfraFailureLimit) for e in chain):  # the same broken environment on the next try
+        return True
     if any(_transient(e) for e in chain):
         return False
     return any(isinstance(e, MISTAKES) and not _raised_in_machinery(e) for e in chain)

@@ -14,11 +14,18 @@ Mismatch keys (``relax.algo.mismatch``, from the actor's train step): ``mismatch
 rollout generated with the very weights the trainer held (stale rows are left out; a step with none
 has ``mismatch/tokens`` 0 and no other mismatch key). ``mismatch_alarm`` says when ``mismatch/kl``
 is above ``async_policy.mismatch.kl_alarm``; the progress printer then adds an alarm line.
+
+Health keys, in every row (``health_figures``): ``response_length/mean``, ``response_length/max``,
+``response_length/clip_frac`` (from the rollout's unit stats), ``prompt_length/mean``,
+``reward/std``, ``reward/min``, ``reward/max`` (from the scorer) and ``entropy`` (the trainer's
+``entropy``; null when it reports none). The progress display also prints one sample of each
+sampled step (``relax.runtime.samples``) and hints (``Progress.note``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -26,9 +33,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from relax.roles import CRITIC_VALUES, STEP_ROLES, Role
+from relax.runtime.jsonl_rows import parse_rows, read_rows
+from relax.runtime.samples import console_line
 from relax.spec.models import MismatchSpec
 
 METRICS_FILE = "metrics.jsonl"
+#: How wide a sample's line is where the stream is not a terminal (logs, CI).
+PLAIN_WIDTH = 200
 EVAL_FILE = "eval.jsonl"
 """Every evaluation of the run (``data.eval``), one line each: the ``eval/*`` figures and the
 ``step`` of the metrics row they were written into."""
@@ -55,11 +66,13 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         "time/weight_sync_s": actor["publish_s"] + rollout["weight_load_s"],
         "time/bus_s": rollout["bus_s"] + reward["bus_s"] + advantage["bus_s"] + actor["collate_s"],
         "time/checkpoint_s": actor["checkpoint_s"],
+        "weights/sync_bytes": actor.get("sync_bytes", 0),
         "time/work_frac": work / step_s if step_s > 0 else 0.0,
         "throughput/tokens_per_s": rollout["response_tokens"] / step_s if step_s > 0 else 0.0,
         "data/order": rollout["data_order"],
     }
     row.update({f"train/{k}": v for k, v in actor["train"].items()})
+    row.update(health_figures(rollout, reward, actor["train"]))
     row.update(actor.get("mismatch", {}))  # mismatch/* keys as they are
     # Per reward entry: mean, count, errors and time (``reward/<id>/mean`` ...).
     row.update({f"reward/{k}": v for k, v in reward.get("rewards", {}).items()})
@@ -74,7 +87,13 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         row.update({"agent/turns_mean": rollout["agent_turns"], "agent/tool_calls_mean": rollout["agent_tool_calls"],
                     "agent/tool_errors": rollout["agent_tool_errors"], "agent/failed": rollout["agent_failed"],
                     "agent/env_s": rollout["agent_env_s"],
-                    "agent/truncated_frac": rollout["agent_truncated"]})
+                    "agent/truncated_frac": rollout["agent_truncated"],
+                    "agent/segments_mean": rollout.get("agent_segments", 1.0),
+                    "agent/regenerated": rollout.get("agent_regenerated", 0.0)})
+        # agent/outcome/<kind> (how many trajectories ended so), agent/malformed_calls/<format> and
+        # agent/cause/<cause> (failed trajectories per cause, relax.agents.failure_causes)
+        row.update({"agent/" + k[len("agent_"):]: v for k, v in rollout.items()
+                    if k.startswith(("agent_outcome/", "agent_malformed_calls/", "agent_cause/"))})
     if "sampling_rounds" in rollout:  # dynamic sampling (dapo)
         row["sampling/rounds"] = rollout["sampling_rounds"]
         row["sampling/filter_rate"] = rollout["sampling_filter_rate"]
@@ -91,6 +110,26 @@ def step_row(step: int, reports: dict[str, dict[str, Any]], step_s: float) -> di
         row.update({f"critic/{k}": v for k, v in critic["train"].items()})
     row["time/work_frac"] = work / step_s if step_s > 0 else 0.0
     return row
+
+
+def health_figures(rollout: dict[str, Any], reward: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    """The figures every row has whatever the run, to tell at a glance whether training is sound:
+    response and prompt lengths (``response_length/clip_frac``: the share cut short by
+    ``max_new_tokens`` or, agentic, by a budget), how the rewards spread, and the policy's mean
+    token entropy over the response tokens as the trainer measured it (null when the trainer does
+    not report ``entropy``)."""
+    samples = rollout.get("rollout_samples", 0)
+    entropy = train.get("entropy")
+    return {
+        "response_length/mean": rollout["response_tokens"] / samples if samples else 0.0,
+        "response_length/max": rollout.get("response_tokens_max", 0),
+        "response_length/clip_frac": rollout.get("clipped", 0) / samples if samples else 0.0,
+        "prompt_length/mean": rollout.get("prompt_tokens", 0) / samples if samples else 0.0,
+        "reward/std": reward.get("reward_std", 0.0),
+        "reward/min": reward.get("reward_min", reward["reward_mean"]),
+        "reward/max": reward.get("reward_max", reward["reward_mean"]),
+        "entropy": None if entropy is None else float(entropy),
+    }
 
 
 class MetricsLog:
@@ -115,8 +154,7 @@ class MetricsLog:
             self.eval_path.write_text("".join(line + "\n" for line in kept))
 
     def append(self, row: dict[str, Any]) -> None:
-        with self.path.open("a") as out:
-            out.write(json.dumps(row) + "\n")
+        _append_line(self.path, json.dumps(row), f"the row of step {row.get('step')}")
 
     def evaluated_versions(self) -> list[int]:
         """The policy versions eval.jsonl holds an evaluation of (after a resume: those of the kept
@@ -127,8 +165,7 @@ class MetricsLog:
 
     def append_eval(self, step: int, figures: dict[str, float]) -> None:
         """An evaluation, written with the row of ``step`` (eval.jsonl keeps every one)."""
-        with self.eval_path.open("a") as out:
-            out.write(json.dumps({"step": step, **figures}) + "\n")
+        _append_line(self.eval_path, json.dumps({"step": step, **figures}), f"the evaluation of step {step}")
 
 
 def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
@@ -141,23 +178,25 @@ def kept_rows(text: str, resume_step: int) -> list[dict[str, Any]]:
     return [rows[step] for step in sorted(rows)]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The whole rows of a jsonl file (``parse_rows``)."""
-    return parse_rows(path.read_text(errors="replace"))
+def _append_line(path: Path, line: str, what: str) -> None:
+    """Append one jsonl line; a full disk is ``DiskFull`` naming the file (the run stops: a resume
+    would write to the same disk), and a part of the line that got written is cut off again so
+    the file still ends with a whole row."""
+    from relax.runtime.failure_class import as_disk_full
 
-
-def parse_rows(text: str) -> list[dict[str, Any]]:
-    """The whole JSON rows of jsonl ``text`` that have a ``step`` (an int); a line cut short by a
-    crash is skipped."""
-    rows = []
-    for line in text.splitlines():
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a") as out:
+            out.write(line + "\n")
+    except OSError as exc:
+        full = as_disk_full(exc, path, what)
         try:
-            row = json.loads(line)
-            row["step"] = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        rows.append(row)
-    return rows
+            os.truncate(path, size)
+        except OSError:
+            pass  # readers skip a row cut short (parse_rows)
+        if full is not None:
+            raise full from exc
+        raise
 
 
 def mismatch_alarm(figures: dict[str, Any], spec: MismatchSpec | None) -> str | None:
@@ -178,7 +217,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; give the output_dir of a run")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(path)  # a row cut short (a crash, a full disk) is skipped, not an error
 
 
 def format_duration(seconds: float) -> str:
@@ -255,6 +294,30 @@ class Progress:
             self.stream.write(f"[relax] step {step}: MISMATCH ALARM: {alarm}\n")
         self.stream.flush()
 
+    def sample(self, row: dict[str, Any]) -> None:
+        """One sample of a sampled step (``relax.runtime.samples``), cut to one line of the
+        terminal (or of ``PLAIN_WIDTH`` characters in plain lines)."""
+        prefix = f"[relax] step {row['step']}: "
+        self._line(prefix + console_line(row, self._width() - len(prefix)))
+
+    def note(self, step: int, text: str) -> None:
+        """A line of its own about ``step`` (a hint), printed whole."""
+        self._line(f"[relax] step {step}: {text}")
+
+    def _width(self) -> int:
+        if self.tty:
+            import shutil
+
+            return self._bar.console.width if self._bar is not None else shutil.get_terminal_size().columns
+        return PLAIN_WIDTH
+
+    def _line(self, text: str) -> None:
+        if self._bar is not None:  # above the live bar, which stays at the bottom
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            return
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
     def _show(self, step: int, text: str) -> None:
         if self._bar is None:
             from rich.console import Console
@@ -265,7 +328,8 @@ class Progress:
             console = Console(file=self.stream, highlight=False)
             # the figures take what the bar leaves, cut at the terminal's edge, never wrapped
             figures = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"))
-            self._bar = Bar(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24), figures, console=console, expand=True, auto_refresh=False, transient=False,
+            self._bar = Bar(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24), figures,
+                            console=console, expand=True, auto_refresh=False, transient=False,
                             redirect_stdout=False, redirect_stderr=False)
             self._bar.start()
             self._task = self._bar.add_task(text, total=self.total, completed=0)
@@ -284,3 +348,13 @@ def _is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # a closed or file-less stream
         return False
+
+
+def evaluations_for_row(evals: list[dict[str, float]],
+                        row: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Split the evaluations the controller holds into those metrics row ``row`` takes (of versions
+    up to ``row``) and those of newer versions, kept for their own rows: an evaluation goes into the
+    row of the step that made its version or a later one. The controller can lag the workers (while
+    it restarts one), so one step's reports may already carry a later version's evaluation, the
+    final one included."""
+    return ([e for e in evals if e["eval/version"] <= row], [e for e in evals if e["eval/version"] > row])

@@ -1,21 +1,11 @@
 """The typed run spec and its validation (imports pydantic and the standard library only).
 
-``validate_spec`` and ``check_spec`` are loaded on first use: ``relax.registry`` imports this
-package's error types, and validation imports the registry, so an eager import here would make
-the two depend on which one a process happens to import first.
+The error types live in ``relax.errors`` (every layer that reports a spec's problems raises them);
+they are named here too, as the spec's public API (``relax.spec.SpecError``).
 """
 
-from typing import Any
-
-from relax.spec.errors import SpecError, SpecIssue
+from relax.errors import SpecError, SpecIssue
 from relax.spec.models import RunSpec
+from relax.spec.validate import check_spec, validate_spec
 
 __all__ = ["RunSpec", "SpecError", "SpecIssue", "check_spec", "validate_spec"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("validate_spec", "check_spec"):
-        from relax.spec import validate
-
-        return getattr(validate, name)
-    raise AttributeError(f"module 'relax.spec' has no attribute {name!r}")

@@ -148,7 +148,8 @@ def architecture_from_hf_config(config: dict[str, Any], name: str) -> ModelArchi
             intermediate_size=int(text.get("intermediate_size") or 0),
             vocab_size=int(text["vocab_size"]),
             tie_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-            num_experts=int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0),
+            num_experts=int(text.get("num_experts") or text.get("num_local_experts")
+                            or text.get("n_routed_experts") or 0),
             experts_per_token=int(text.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
             encoder_params=encoder,

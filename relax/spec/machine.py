@@ -1,7 +1,10 @@
-"""What this machine can give a run that starts its own Ray: how many NVIDIA GPUs it sees.
+"""What this machine can give a run that starts its own Ray: how many NVIDIA GPUs it sees, and
+whether its Hugging Face cache holds a hub model the spec names.
 
-``relax validate`` and ``relax run`` both ask (``relax plan`` does not: it shows the layout a spec
-asks for on the cluster it names, wherever it is run). Counting must not import torch, which
+``relax run`` and ``relax validate --here`` refuse a spec this machine cannot hold; ``relax
+validate`` prints it as a note (a spec is often written on a laptop for a cluster), and ``relax
+plan`` does not ask (it shows the layout a spec asks for on the cluster it names, wherever it is
+run). Counting must not import torch, which
 ``relax validate`` never loads, so the count comes from the driver's own listing.
 """
 
@@ -13,9 +16,11 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from relax.spec.errors import SpecIssue
+from relax.errors import SpecIssue
+from relax.spec.architecture import BUILTIN_PREFIX
+from relax.spec.hf_cache import HUB_ID, TOKENIZER_FILES, cached_snapshot, download_hint, has_tokenizer, hub_cache_dir
 from relax.spec.models import RunSpec
-from relax.spec.rules import RuleContext, gpus_requested, rule
+from relax.spec.rules import Rule, RuleContext, gpus_requested, rule
 
 #: One folder per GPU that the NVIDIA kernel driver has bound.
 NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -71,3 +76,32 @@ def check_machine(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
                         f"(cluster.address is null: an embedded Ray), which has {here}",
                         "set cluster.address to run on a GPU cluster, or use a CPU preset such as tiny-cpu "
                         "(`relax plan` still shows this spec's layout)")
+
+
+@rule("model", "cluster")
+def check_model_on_this_machine(spec: RunSpec, ctx: RuleContext) -> Iterator[SpecIssue]:
+    """A run on this machine loads a hub id from this machine's Hugging Face cache, and only from
+    there: Relax never downloads a model. ``relax validate`` reads a model it has no files of from a
+    shipped card (a laptop authoring for a cluster), so an uncached hub id is a machine note there,
+    and an error for ``relax run``, which would otherwise leave it to ``from_pretrained`` to fetch."""
+    path = spec.model.path
+    if spec.cluster.address is not None or path.startswith(BUILTIN_PREFIX) or not HUB_ID.match(path):
+        return
+    folder = Path(path).expanduser()
+    if (folder if folder.is_absolute() else ctx.base_dir / folder).is_dir():
+        return
+    snapshot = cached_snapshot(path)
+    if snapshot is None:
+        yield SpecIssue("model.path",
+                        f"'{path}' is not in this machine's Hugging Face cache ({hub_cache_dir()}), and Relax never "
+                        "downloads a model", download_hint(path))
+    elif not has_tokenizer(snapshot):  # only config.json was downloaded (enough to validate and plan)
+        yield SpecIssue("model.path", f"the Hugging Face cache holds only part of {path}: its snapshot {snapshot} has "
+                                      f"a config.json but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), "
+                                      "so a run here cannot load it",
+                        f"download the whole model: `hf download {path}` (with the same HF_HOME)")
+
+
+#: The checks that judge the machine the command runs on, not the spec (``MACHINE_RULES`` are
+#: errors for ``relax run`` and ``relax validate --here``, notes for ``relax validate``).
+MACHINE_RULES: tuple[Rule, ...] = (check_machine, check_model_on_this_machine)

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from relax.contracts import LongPromptPolicy as _LongPromptPolicy
 from relax.spec.attribute_docs import DocumentedModel
+from relax.spec.lora import LoraSpec
 
 Modality = Literal["text", "image", "audio", "video"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -24,11 +26,16 @@ MismatchAction = Literal["warn", "stop"]
 TracingExporter = Literal["none", "console", "jsonl", "otlp"]
 OtlpProtocol = Literal["http", "grpc"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
+LRSchedule = Literal["constant", "linear", "cosine"]
 BadSamplePolicy = Literal["error", "skip"]
+LongPromptPolicy = _LongPromptPolicy
+"""``data.on_long_prompt``: ``truncate`` or ``refuse`` (declared in ``relax.contracts``, which the
+rollout backends read it from)."""
 FailurePolicy = Literal["restart", "resume", "stop"]
 WeightSync = Literal["auto", "object_store", "collective"]
-ToolCallFormat = Literal["hermes"]
+ToolCallFormat = Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "glm", "harmony"]
 TruncatedPolicy = Literal["score", "mask"]
+HistoryPolicy = Literal["strict", "segments"]
 
 
 def _none_is_empty(value: Any) -> Any:
@@ -111,6 +118,11 @@ class DataSpec(Section):
     """Shuffle prompts each epoch with the run's seed (the order is reproducible and resumable)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Longest prompt in tokens; longer prompts are truncated from the left. Used for memory plans."""
+    on_long_prompt: LongPromptPolicy = "truncate"
+    """A prompt past ``max_prompt_tokens``: ``truncate`` cuts it from the left (its text first to
+    ``max_prompt_tokens`` x 32 characters, so it is never tokenized whole); ``refuse`` stops with
+    its file and line (data files: at validation for the rows it reads, when the data is read for
+    the rest; a prompt within the characters but over the tokens, when it is tokenized)."""
     chat_template: str = "auto"
     """How a text prompt becomes token ids: ``auto`` renders it as one user message through the
     tokenizer's own chat template when it has one (with the generation prompt, as
@@ -214,7 +226,7 @@ class AlgorithmSpec(Section):
         return "off" if value is False else value
 
     @model_validator(mode="after")
-    def _name_defaults(self) -> "AlgorithmSpec":
+    def _name_defaults(self) -> AlgorithmSpec:
         # Unset fields take the algorithm name's defaults; an unknown name is reported by the rules.
         from relax.spec.algorithms import ALGORITHMS
 
@@ -307,6 +319,20 @@ class SamplingSpec(Section):
     """Keep the k most likely tokens; 0 keeps all."""
     max_new_tokens: int = Field(8, ge=1)
     """Longest response in tokens."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings: a response ends right after the token that completes the first of them. Its
+    tokens stay in the response and are trained on like the model's own stop token; the response
+    text (what rewards read) ends before it, as it ends before the stop token."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """CTRL's repetition penalty on the tokens of the prompt and the response so far (a positive
+    logit divided by it, a negative one multiplied); 1 turns it off."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("an empty stop string would end every response at once; remove it")
+        return value
 
 
 class OptimizerSpec(Section):
@@ -324,6 +350,26 @@ class OptimizerSpec(Section):
     """Adam epsilon."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this; 0 disables clipping."""
+    lr_schedule: LRSchedule = "constant"
+    """How the learning rate moves over the run's steps after the warmup: constant, linear (decay to
+    ``min_lr_ratio * lr`` at the last step) or cosine (the same, along a half cosine)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps of linear warmup: step s < warmup_steps trains at ``lr * (s + 1) / (warmup_steps
+    + 1)``, step warmup_steps at ``lr``; 0: no warmup."""
+    warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    """Warmup as a share of the run's steps (``ceil(warmup_ratio * steps)`` steps), instead of
+    ``warmup_steps``; null: ``warmup_steps`` says."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """The floor of linear and cosine decay, as a share of ``lr``: the last step trains at
+    ``min_lr_ratio * lr``."""
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimizerSpec:
+        if self.warmup_ratio is not None and self.warmup_steps > 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio} are both "
+                             "set; give one: remove warmup_ratio to warm up a fixed number of steps, or "
+                             "warmup_steps to warm up a share of the run")
+        return self
 
 
 class GatewaySpec(Section):
@@ -370,8 +416,21 @@ class AgentSpec(Section):
     """Seconds one environment call (start, or a step with its tool calls) may take; past it the
     trajectory ends with an error (it is kept with a zero loss mask)."""
     tool_call_format: ToolCallFormat = "hermes"
-    """How tool calls are written in a model turn: ``hermes`` is ``<tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>`` (Qwen and Hermes chat templates)."""
+    """How tool calls are written in a model turn: ``hermes`` (Hermes, Qwen2.5/Qwen3:
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), ``qwen3_coder`` (Qwen3-Coder XML),
+    ``llama3_json`` (Llama 3.x), ``mistral``, ``deepseek_v3``, ``glm`` (GLM-4.5), ``harmony``
+    (gpt-oss); ``auto`` reads it from the model's chat template (docs/agents.md, "Tool-call formats")."""
+    max_failed_frac: float | None = Field(0.5, ge=0.0, le=1.0)
+    """Stop the run (exit 1, the failures' cause and first message on the last line) when more than
+    this share of a step's trajectories fail: end by ``env_error``, ``env_timeout``, ``program_error``
+    or ``infra`` (checked per rollout unit; a step has one unless the rollout is elastic); null: never
+    stop for them (they are kept out of training either way). Formerly ``max_infra_fraction``."""
+    regenerate_failed: int = Field(0, ge=0, le=8)
+    """Environments: a trajectory that fails (``env_error``, ``env_timeout``, ``infra``) is run again
+    from its start, in its own unit (the same policy version: within the staleness bound), up to this
+    many times; the last try is the sample, and ``agent/regenerated`` counts the tries. 0: never.
+    ``max_failed_frac`` counts the trajectories still failed after their tries. Agent programs behind
+    the gateway are not regenerated."""
     concurrency: int = Field(32, ge=1)
     """Environment calls running at once per rollout replica."""
     truncated: TruncatedPolicy = "score"
@@ -379,9 +438,24 @@ class AgentSpec(Section):
     is; ``mask`` keeps it in the batch with a zero loss mask (it teaches nothing)."""
     turn_reward_weight: float = 1.0
     """Weight of the environment's turn rewards, added to the reward plugins' score."""
+    history: HistoryPolicy = "segments"
+    """Gateway: a call that does not extend the conversation (an edited, trimmed or summarized
+    history): ``segments`` continues the trajectory as a new segment (its prompt the newly rendered
+    history, linked to its parent; the sample is one row per segment, each training its own model
+    tokens with the trajectory's reward and advantage), ``strict`` refuses the call with 400
+    ``history_edited``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_infra_fraction" in data:
+            raise ValueError("max_infra_fraction was renamed max_failed_frac (the same share: trajectories ended by "
+                             "env_error, env_timeout, program_error or infra); write max_failed_frac instead. Its "
+                             "default is now 0.5 (was null: never stop); null keeps the old default")
+        return data
 
     @model_validator(mode="after")
-    def _one_driver(self) -> "AgentSpec":
+    def _one_driver(self) -> AgentSpec:
         if (self.environment is None) == (self.gateway is None):
             raise ValueError("give exactly one of environment (a relax.environments plugin) and gateway "
                              "(an agent program behind the OpenAI endpoint)")
@@ -447,10 +521,25 @@ class ForwardRole(Section):
     (forward passes) for the reference and actor_fwd."""
     gpus: int = Field(0, ge=0)
     """GPUs of this role (in its own pool in separate mode, shared with the actor otherwise)."""
+    cpu_ranks: int = Field(1, ge=1)
+    """Processes of this role when it runs on CPU (``gpus: 0``): data-parallel ranks over gloo, each
+    a process of its own (FSDP2 shards the model over them). For small models and for trying a
+    multi-rank layout on a laptop; on GPUs every GPU is a rank, so leave it 1 there."""
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     """Model parallelism."""
+
+    @property
+    def ranks(self) -> int:
+        """Processes of the role: one per GPU, or ``cpu_ranks`` on CPU."""
+        return self.gpus or self.cpu_ranks
     micro_batch_size: int = Field(16, ge=1)
     """Samples per forward pass."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of a micro-batch: rows are grouped by their real tokens (prompt and response)
+    into micro-batches of at most this many (a longer row alone), balanced in tokens, instead of
+    ``micro_batch_size`` rows each, which it then replaces. Bounds activation memory however long the
+    step's rows are. Null: ``micro_batch_size`` rows. Needs a backend with the ``token_budget``
+    trait (torch)."""
     options: PluginOptions = Field(default_factory=dict)
     """Options of the backend, checked against its ``Config``."""
 
@@ -462,6 +551,9 @@ class TrainRole(ForwardRole):
     """The optimizer."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, about 30% more compute)."""
+    lora: LoraSpec | None = None
+    """Train a LoRA adapter on the frozen model instead of the whole model (docs/lora.md); null
+    trains every weight."""
 
 
 class CpuRole(Section):
@@ -674,8 +766,13 @@ class EvalSpec(Section):
 class TrainerSpec(Section):
     """The training loop."""
 
-    steps: int = Field(100, ge=1)
-    """Training steps (optimizer updates of the policy version)."""
+    steps: int | None = Field(100, ge=1)
+    """Training steps (optimizer updates of the policy version). Leave it out (or null, when a
+    preset gives it) to train for ``epochs`` instead."""
+    epochs: float | None = Field(None, gt=0.0)
+    """Passes over the training data instead of ``steps``: the run then takes
+    ``ceil(epochs * training-set size / algorithm.prompts_per_step)`` steps (``relax plan`` shows
+    them); null: ``steps`` says."""
     output_dir: str = "runs/${name}"
     """Folder for metrics, checkpoints and traces."""
     checkpoint_every: int = Field(25, ge=0)
@@ -694,6 +791,27 @@ class TrainerSpec(Section):
     on the rollout while the actor trains. null or 0 with ``data.eval`` set: after the last step only."""
     eval: EvalSpec = Field(default_factory=EvalSpec)
     """How the evaluation samples and what counts as a pass."""
+    log_samples_every: int = Field(10, ge=0)
+    """Every this many steps, write a few of the step's rows (prompt, response, label, rewards) to
+    ``<output_dir>/samples.jsonl``, the ``logging:`` trackers and the console, so you see what the
+    model generates, not only its figures. 0: no samples."""
+    log_samples: int = Field(4, ge=1)
+    """How many rows of a sampled step are kept (the first, the best, the worst and the middle ones
+    by reward): a few, so samples stay small and off the hot path."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainerSpec:
+        # ``steps`` has a default: only a value the spec gives conflicts with ``epochs``.
+        if self.epochs is not None:
+            if self.steps is not None and "steps" in self.model_fields_set:
+                raise ValueError(f"trainer.steps={self.steps} and trainer.epochs={self.epochs:g} are both given; "
+                                 "give one: remove trainer.steps (set it to null when a preset gives it) to "
+                                 "train for epochs, or remove trainer.epochs")
+            self.steps = None  # resolved from the data set's size (relax.spec.run_length)
+        elif self.steps is None:
+            raise ValueError("trainer.steps is null and trainer.epochs is not given; give trainer.steps (the "
+                             "training steps) or trainer.epochs (passes over the training data)")
+        return self
 
 
 class RoleFaultPolicy(Section):
@@ -809,7 +927,7 @@ class RunSpec(Section):
     """Failure detection and recovery."""
 
     @model_validator(mode="after")
-    def _default_output_dir(self) -> "RunSpec":
+    def _default_output_dir(self) -> RunSpec:
         # The default names the run; a spec file's own ${name} is resolved by the loader.
         self.trainer.output_dir = self.trainer.output_dir.replace("${name}", self.name)
         return self
@@ -821,9 +939,24 @@ class RunSpec(Section):
         has one replica and is not elastic, else ``prompts_per_step / replica_limit`` rounded up
         (one unit per replica)."""
         prompts = self.algorithm.prompts_per_step
-        limit = self.roles.rollout.replica_limit
+        limit = self.rollout_producers
         unit = self.roles.rollout.unit_prompts or (prompts if limit == 1 else -(-prompts // limit))
         return unit, -(-prompts // unit)
+
+    @property
+    def engine_per_rank(self) -> bool:
+        """Colocation across ranks (a hybrid engine): colocate mode with an actor of several ranks and
+        one rollout replica per rank, each hosted in its rank's process, where that rank hands it
+        the weights. The replicas then produce each step together as one (``rollout_producers``)."""
+        actor, rollout = self.roles.actor, self.roles.rollout
+        return (self.placement.mode == "colocate" and actor.ranks > 1 and rollout.replicas == actor.ranks
+                and rollout.max_replicas in (None, rollout.replicas))
+
+    @property
+    def rollout_producers(self) -> int:
+        """Rollout processes that lease a step's units: the replica limit, or one where an engine
+        in every actor rank generates a share of the step the rank 0 leased (``engine_per_rank``)."""
+        return 1 if self.engine_per_rank else self.roles.rollout.replica_limit
 
     def trained_roles(self) -> dict[str, ForwardRole]:
         """The GPU-capable model roles that are present, by name."""

@@ -7,6 +7,7 @@ Imported by the runtime only (never by ``relax.spec``, ``relax.config`` or ``rel
 
 from relax.telemetry.conventions import (
     ADVANTAGE_COMPUTE,
+    AGENT_SEGMENT,
     AGENT_TOOL_CALL,
     AGENT_TURN,
     CHECKPOINT,
@@ -28,6 +29,7 @@ from relax.telemetry.tracing import NULL_SPAN, OtlpUnavailable, RoleSpan, Teleme
 
 __all__ = [
     "ADVANTAGE_COMPUTE",
+    "AGENT_SEGMENT",
     "AGENT_TOOL_CALL",
     "AGENT_TURN",
     "CHECKPOINT",

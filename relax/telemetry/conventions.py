@@ -49,6 +49,10 @@ the held-out prompts (``data.eval``)."""
 AGENT_TURN: Final = "relax.agent.turn"
 """One model turn of an agentic trajectory (``relax.trajectory``, ``relax.turn``), from its
 request to its tokens; nested in the rollout batch."""
+AGENT_SEGMENT: Final = "relax.agent.segment"
+"""Where a segment of an agentic trajectory starts (``relax.trajectory``, ``relax.segment``,
+``relax.parent``): its first call, or a call that did not extend the conversation (the gateway's
+``agent.history: segments``); linked to the segment it branched from."""
 AGENT_TOOL_CALL: Final = "relax.agent.tool_call"
 """An environment call of an agentic trajectory (its tool calls after a turn, or ``start``)."""
 FAULT: Final = "relax.fault"
@@ -61,6 +65,7 @@ SCALE: Final = "relax.scale"
 ROLE_OF_SPAN: Final[dict[str, str]] = {
     ROLLOUT_BATCH: "rollout",
     AGENT_TURN: "rollout",
+    AGENT_SEGMENT: "rollout",
     AGENT_TOOL_CALL: "rollout",
     REWARD_SCORE: "reward",
     ADVANTAGE_COMPUTE: "advantage",

@@ -96,7 +96,9 @@ class JsonlSpanExporter(SpanExporter):
 
 
 def _chunks(lines: list[bytes], limit: int) -> list[bytes]:
-    chunks, current, size = [], [], 0
+    chunks: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
     for line in lines:
         if current and size + len(line) > limit:
             chunks.append(b"".join(current))

@@ -26,7 +26,6 @@ Worker::
 from __future__ import annotations
 
 import importlib
-
 import json
 import os
 import socket

@@ -45,6 +45,11 @@ class ArithmeticDataset:
         operations: list[Operation] = Field(default_factory=lambda: ["+"], min_length=1)
         """Operators drawn uniformly: any of +, - and * (tiny-lm is warmed up with the default)."""
 
+    @classmethod
+    def length(cls, config: ArithmeticDataset.Config) -> int:
+        """The size of the set ``config`` builds, known without building it (``trainer.epochs``)."""
+        return config.size
+
     def __init__(self, config: ArithmeticDataset.Config) -> None:
         self.config = config
 

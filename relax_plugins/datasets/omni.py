@@ -122,6 +122,11 @@ class OmniDataset:
         inline: bool = False
         """Give the media as inline arrays in the rows instead of file paths."""
 
+    @classmethod
+    def length(cls, config: OmniDataset.Config) -> int:
+        """The size of the set ``config`` builds, known without building it (``trainer.epochs``)."""
+        return config.size
+
     def __init__(self, config: OmniDataset.Config) -> None:
         self.config = config
         self.folder = Path(config.media_dir or default_media_dir()).expanduser() / f"v{MEDIA_VERSION}-seed{config.seed}"

@@ -1,6 +1,6 @@
 """``synthetic:products``: products of a 3-digit and a 2-digit number, such as ``347*58=`` -> ``20126``.
 
-The task of the built-in calculator agent (``relax/presets/tiny-agent-cpu.yaml``): the tiny model cannot
+The task of the built-in calculator agent (``presets/tiny-agent-cpu.yaml``): the tiny model cannot
 multiply numbers this size itself, but it can call the ``calculator`` environment's tool and copy
 the result, so its exact-match reward measures how well it learned to use the tool. ``tiny-lm``
 with ``task: calculator`` is warmed up on this data set's default options.
@@ -56,6 +56,11 @@ class ProductsDataset:
             if bad:
                 raise ValueError(f"digit counts must be between 1 and 9, got {bad}")
             return value
+
+    @classmethod
+    def length(cls, config: ProductsDataset.Config) -> int:
+        """The size of the set ``config`` builds, known without building it (``trainer.epochs``)."""
+        return config.size
 
     def __init__(self, config: ProductsDataset.Config) -> None:
         self.config = config

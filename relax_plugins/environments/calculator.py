@@ -1,6 +1,6 @@
 """``calculator``: one tool, ``calc``, that evaluates an arithmetic expression for the model.
 
-The tool of the built-in agent task (``synthetic:products``, ``relax/presets/tiny-agent-cpu.yaml``): the
+The tool of the built-in agent task (``synthetic:products``, ``presets/tiny-agent-cpu.yaml``): the
 model writes ``<tool_call>{"name":"calc","arguments":{"expr":"347*58"}}</tool_call>``, reads
 ``20126`` back and answers with it. A turn without a tool call is the model's answer and ends the
 trajectory.

@@ -4,7 +4,8 @@ Writes with ``torch.utils.tensorboard.SummaryWriter``: it needs only the ``tenso
 (``pip install 'relax-rl[trackers]'``; no TensorFlow, no Pillow for scalars and text) and, unlike
 ``tensorboard.summary.Writer``, also writes text. Every numeric key of a row is a scalar of the
 same name at the row's step; string values (``data/order``, ``samples/trained_hash``) are text
-summaries, and the resolved spec is the text ``config`` at step 0. View with
+summaries, and the resolved spec is the text ``config`` at step 0. Samples
+(``trainer.log_samples_every``) are the text ``samples`` at their step, in Markdown. View with
 ``tensorboard --logdir <output_dir>/tensorboard``.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.contracts import LoggerStatus, RunInfo
-from relax_plugins.loggers.rows import split_row
+from relax_plugins.loggers.rows import samples_markdown, split_row
 
 
 class TensorBoardLogger:
@@ -33,7 +34,8 @@ class TensorBoardLogger:
         flush_secs: int = Field(10, ge=1)
         """Longest time a written value waits in memory before it reaches the event file."""
         text: bool = True
-        """Write string values and the run's spec as text summaries (false: numbers only)."""
+        """Write string values, the run's spec and the samples (``samples`` text, Markdown, at each
+        sampled step) as text summaries (false: numbers only)."""
 
     def __init__(self, config: Config, run: RunInfo) -> None:
         try:
@@ -56,6 +58,11 @@ class TensorBoardLogger:
         if self.text:
             for key, value in texts.items():
                 self.writer.add_text(key, value, step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A sampled step's rows as the text summary ``samples`` (Markdown) at ``step``."""
+        if self.text:
+            self.writer.add_text("samples", samples_markdown(step, rows), step)
 
     def close(self, status: LoggerStatus) -> None:
         self.writer.flush()

@@ -9,7 +9,7 @@ sampled accuracy) and has something quick and real to learn (reaching about 0.85
 dozen GRPO steps). With ``task: calculator`` it is an agent instead: a chat template
 (``CHAT_TEMPLATE``), tool-call tokens (``TOOL_TOKENS``) and a warm-up of whole trajectories on
 ``synthetic:products`` with the ``calculator`` environment, calling the tool a quarter of the time
-(``relax/presets/tiny-agent-cpu.yaml``: GRPO raises its reward from about 0.2 to about 0.8 in a few dozen
+(``presets/tiny-agent-cpu.yaml``: GRPO raises its reward from about 0.2 to about 0.8 in a few dozen
 steps by teaching it to call). The result is a normal Hugging Face folder (``save_pretrained``, safetensors,
 tokenizer), cached under ``<cache_dir>/tiny-lm-<hash of the config>`` and built once even when
 several processes ask at the same time.
@@ -125,7 +125,7 @@ class TinyLM:
         answer that is usually wrong (``warmup_tool_probability``); ``long_tail`` is arithmetic with
         response lengths that vary widely: most responses stop after the answer, a few
         (``long_tail_probability``) ramble on for up to ``long_tail_tokens`` tokens, the long tail
-        that partial rollouts are for (``relax/presets/tiny-longtail-cpu.yaml``)."""
+        that partial rollouts are for (``presets/tiny-longtail-cpu.yaml``)."""
         long_tail_probability: float = Field(0.1, ge=0.0, le=1.0)
         """``task: long_tail`` only: share of warm-up targets that ramble on after the answer."""
         long_tail_tokens: int = Field(48, ge=2)

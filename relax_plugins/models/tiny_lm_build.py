@@ -308,7 +308,8 @@ def warm_up(model: Any, tokenizer: Any, config: TinyLM.Config) -> dict[str, floa
             moe = {"output_router_logits": True} if config.architecture == "qwen3_moe" else {}
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                         position_ids=batch.position_ids, use_cache=False, **moe)
-            part = -masked_mean(token_logprobs(out.logits, batch.input_ids), loss_mask) * (float(loss_mask.sum()) / total)
+            share = float(loss_mask.sum()) / total
+            part = -masked_mean(token_logprobs(out.logits, batch.input_ids), loss_mask) * share
             if moe:  # keep every expert in use (the load-balancing loss, weighted like the group)
                 part = part + config.router_aux_loss_coef * out.aux_loss * (len(batch.input_ids) / len(examples))
             part.backward()

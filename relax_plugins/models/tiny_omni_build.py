@@ -23,7 +23,16 @@ from relax.media import MediaSet
 from relax_plugins.datasets.omni import omni_problem
 from relax_plugins.models.omni_processor import FrameVideoProcessor, RelaxOmniProcessor
 from relax_plugins.models.tiny_lm import CHARSET
-from relax_plugins.models.tiny_omni import IM_END, IM_START, MEDIA_TOKENS, PAD, SPECIAL_TOKENS, UNK, VOCAB_SIZE, TinyOmni
+from relax_plugins.models.tiny_omni import (
+    IM_END,
+    IM_START,
+    MEDIA_TOKENS,
+    PAD,
+    SPECIAL_TOKENS,
+    UNK,
+    VOCAB_SIZE,
+    TinyOmni,
+)
 from relax_plugins.processing import (
     SampleInputs,
     batch_media,

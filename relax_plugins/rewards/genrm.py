@@ -143,7 +143,8 @@ class GenerativeJudge:
     def __init__(self, config: GenerativeJudge.Config, *, context: RewardContext | None = None) -> None:
         if context is None:
             raise ValueError("genrm serves a judge model and must be built with a RewardContext (the runtime "
-                             "passes one: relax.runtime.components.build_reward); pass context=RewardContext(...)")
+                             "passes one: relax.runtime.worker.components.build_reward); pass "
+                             "context=RewardContext(...)")
         self.config = config
         self.verdict = VerdictParser(config.verdict_pattern, config.verdict_scores, config.unparsed_score)
         path = context.materialize_model(config.model, dict(config.model_options))

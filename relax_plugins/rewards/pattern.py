@@ -78,7 +78,7 @@ class RegexReward:
         mode = self.config.mode
         if mode == "search" and self.config.compare_label and self.config.last_match:
             found = None
-            for found in self.regex.finditer(text):
+            for found in self.regex.finditer(text):  # noqa: B007 - the last match is the one kept
                 pass
             return found
         return getattr(self.regex, mode)(text)

@@ -10,10 +10,13 @@ backoff; any other error status fails at once with the service's own message.
 
 What it refuses to do, so that a misbehaving or hostile service cannot take more than it is given:
 
-- follow a redirect: the token and headers would go to a host the spec never named, and that host's
+- follow a redirect: the token and headers (``headers``, ``headers_env``) would go to a host the spec never named, and
+that host's
   scores would be trusted. A 3xx is an error naming its ``Location``; point ``url`` there.
 - wait past ``timeout_s`` for one request: one deadline covers connecting, sending and reading the
   whole answer, so a service trickling bytes is cut off (the socket is shut down at the deadline).
+- read an answer of any size: past ``max_answer_bytes`` (4 MiB) it stops reading and the samples it
+  was for fail with an error naming the option.
 - hammer a failing service: a batch spends at most ``max_failures_per_batch`` failed requests,
   counting retries and the reward runner asking again sample by sample; the rest fail at once.
 """
@@ -30,7 +33,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from relax.contracts import RewardSample
 
@@ -65,12 +68,20 @@ class RemoteReward:
         runner asks again sample by sample when a batch fails, to find the samples at fault; against
         a service that is down that is one batch request plus one per sample, each retried. Once
         this budget is spent the batch's remaining samples fail at once, without a request."""
+        max_answer_bytes: int = Field(4 * 1024 * 1024, ge=1)
+        """Largest answer read from the service (a score is a few bytes per sample); a larger one
+        is an error for the samples it was for, and only this many bytes (plus one) are read."""
         retry_statuses: list[int] = Field(default_factory=lambda: [408, 429, 500, 502, 503, 504])
         """HTTP statuses worth another attempt (overload, a gateway hiccup); others fail at once."""
         batch_size: int | None = Field(None, ge=1)
         """Samples per request; null sends the whole batch in one request."""
         headers: dict[str, str] = Field(default_factory=dict)
-        """Extra request headers."""
+        """Extra request headers. Put no credential here: use ``headers_env`` (or ``${oc.env:...}``,
+        which run files show as the expression, never the value)."""
+        headers_env: dict[str, str] = Field(default_factory=dict)
+        """Request headers whose values are read from the environment where the reward runs:
+        header name -> environment variable name (``{X-Api-Key: JUDGE_KEY}``). The spec, the run's
+        files and its trackers hold only the variable's name."""
         token_env: str | None = None
         """Name of an environment variable holding a bearer token for the ``Authorization``
         header (keeps the secret out of the spec)."""
@@ -82,10 +93,27 @@ class RemoteReward:
                 raise ValueError("must start with http:// or https://")
             return value
 
+        @model_validator(mode="after")
+        def _one_source_per_header(self) -> RemoteReward.Config:
+            """A header set twice would silently drop one of its values."""
+            from_env = {name.lower() for name in self.headers_env}
+            twice = sorted(name for name in self.headers if name.lower() in from_env)
+            if twice:
+                raise ValueError(f"headers and headers_env both set {', '.join(twice)}; keep it in headers_env")
+            if self.token_env and "authorization" in from_env:
+                raise ValueError("token_env and headers_env both set Authorization; keep one")
+            return self
+
     def __init__(self, config: RemoteReward.Config) -> None:
         self.config = config
         self._budget: _Budget | None = None
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **config.headers}
+        for header, variable in config.headers_env.items():
+            value = os.environ.get(variable)
+            if not value:
+                raise RemoteRewardError(f"remote: the environment variable {variable} (options.headers_env.{header}) "
+                                        "is not set in this process; export it where the reward workers run")
+            self.headers[header] = value
         if config.token_env:
             token = os.environ.get(config.token_env)
             if not token:
@@ -155,7 +183,7 @@ class RemoteReward:
         request = urllib.request.Request(self.config.url, data=body, headers=self.headers, method="POST")
         try:
             with opener.open(request, timeout=self.config.timeout_s) as response:
-                raw = response.read()
+                raw = response.read(self.config.max_answer_bytes + 1)
         except Exception:
             if deadline.expired:
                 raise _Expired() from None
@@ -164,6 +192,10 @@ class RemoteReward:
             deadline.cancel()
         if deadline.expired:  # the answer may be cut short: never use it
             raise _Expired()
+        if len(raw) > self.config.max_answer_bytes:
+            raise RemoteRewardError(f"remote: {self.config.url} answered more than options.max_answer_bytes="
+                                    f"{self.config.max_answer_bytes} bytes (the rest was not read); a score is a "
+                                    "few bytes per sample: fix the service, or raise options.max_answer_bytes")
         return raw
 
     def _scores(self, raw: bytes, count: int) -> list[float]:
@@ -188,7 +220,7 @@ class RemoteReward:
 
 
 def _status_line(exc: urllib.error.HTTPError) -> str:
-    detail = exc.read()[:BODY_EXCERPT].decode(errors="replace").strip()
+    detail = exc.read(BODY_EXCERPT).decode(errors="replace").strip()
     return f"HTTP {exc.code} {exc.reason}" + (f": {detail}" if detail else "")
 
 

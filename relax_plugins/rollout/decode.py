@@ -13,9 +13,14 @@ instead:
   no cutting afterwards.
 * **Sampling is one inverse-CDF draw per row** (``torch.searchsorted`` on the cumulative
   probabilities), exact for the distribution whose log-probs are reported.
+* **Stop strings** (``stop_strings``, ``relax.algo.stop_strings``) end a row at the token
+  that completes one, found by decoding the tail of each live row after every token.
 
 The distribution sampled from is the one the rollout documents: ``log_softmax`` of the logits
-with suppressed tokens removed, divided by the temperature, then top-k and top-p truncated (with
+with suppressed tokens removed, the repetition penalty applied (CTRL's, as ``transformers``'
+``RepetitionPenaltyLogitsProcessor``: on every token of the row's prompt and response so far, a
+positive logit divided by the penalty, a negative one multiplied), divided by the temperature,
+then top-k and top-p truncated (with
 ``transformers``' rules: top-p keeps the smallest set of most likely tokens whose mass reaches
 ``top_p``, and always the most likely one). Temperature 0 is greedy and reports the log-probs of
 the unscaled model.
@@ -24,8 +29,9 @@ the unscaled model.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -53,9 +59,17 @@ def supports(model: Any) -> bool:
 def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
            top_k: int, stop_ids: list[int], pad_id: int, suppressed: list[int] | None = None,
            share_prompts: bool = True, pause: Callable[[list[bool]], bool] | None = None,
-           generator: torch.Generator | None = None) -> Sampled:
+           generator: torch.Generator | None = None, repetition_penalty: float = 1.0,
+           stop_strings: Any = None, grammars: Any = None) -> Sampled:
     """Sample a response to every row of prompt tokens, row ``i`` up to ``budgets[i]`` tokens,
     drawing from ``generator`` (default: the global torch RNG; seed either for repeatable samples).
+
+    ``repetition_penalty`` (1: none) penalizes the tokens already in a row. ``stop_strings`` (a
+    ``relax.algo.stop_strings.StopStrings``, or None) ends a row, ``finished``, at the
+    token that completes one of its strings. ``grammars`` (a ``relax_plugins.rollout.grammars.
+    RowGrammars``, or None) masks each constrained row's logits to what its grammar allows next,
+    before the temperature and truncation: the row is drawn from, and reports the log-probs of,
+    that masked distribution.
 
     ``share_prompts`` prefills identical rows once (turn it off when something counts the rows of
     every forward call, e.g. a routing recorder). ``pause`` (partial rollouts) is asked after every
@@ -91,6 +105,12 @@ def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature
     budget = torch.tensor(budgets, device=device)
     stops = torch.tensor(sorted(set(stop_ids)), device=device)
     drop = torch.tensor(sorted(set(suppressed or [])), dtype=torch.long, device=device)
+    seen = None
+    if repetition_penalty != 1.0:  # which tokens each row holds so far, prompt included
+        vocab = logits.shape[-1]
+        seen = torch.zeros((count, vocab), dtype=torch.bool, device=device)
+        for i, ids in enumerate(rows):
+            seen[i, torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long, device=device)] = True
     tokens = torch.full((count, most), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((count, most), dtype=torch.float32, device=device)
     lengths = torch.zeros(count, dtype=torch.long, device=device)
@@ -100,13 +120,24 @@ def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature
     for step in range(most):
         if drop.numel():
             logits.index_fill_(-1, drop, float("-inf"))
+        if seen is not None:
+            logits = penalize_repetition(logits, seen, repetition_penalty)
+        if grammars:
+            flags = live.tolist()
+            logits = grammars.restrict(logits, flags)
         chosen, logp = _draw(logits, temperature, top_p, top_k, generator)
         chosen = torch.where(live, chosen, pad_id)
+        if grammars:
+            grammars.advance(chosen.tolist(), flags)
         tokens[:, step] = chosen
         logprobs[:, step] = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         lengths += live
         made = step + 1
         stopped = live & torch.isin(chosen, stops)
+        if seen is not None:
+            seen[live.nonzero().squeeze(-1), chosen[live]] = True
+        if stop_strings:
+            stopped |= _stop_string_rows(stop_strings, tokens, live & ~stopped, made)
         ended |= stopped
         live &= ~stopped & (budget > made)
         if pause is not None and pause((~live).tolist()):
@@ -121,6 +152,26 @@ def sample(model: Any, rows: list[list[int]], budgets: list[int], *, temperature
     kept, kept_lp = tokens[:, :made].tolist(), logprobs[:, :made].tolist()
     return Sampled(tokens=[row[:n] for row, n in zip(kept, lengths.tolist())],
                    logprobs=[row[:n] for row, n in zip(kept_lp, lengths.tolist())], finished=ended.tolist())
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019; ``transformers``' ``RepetitionPenaltyLogitsProcessor``):
+    where ``seen`` (``[rows, vocab]``: the token is in the row already), a logit ``x`` becomes
+    ``x / penalty`` if ``x > 0`` else ``x * penalty``; elsewhere it is unchanged."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def _stop_string_rows(stop_strings: Any, tokens: torch.Tensor, candidates: torch.Tensor, made: int) -> torch.Tensor:
+    """Which of the ``candidates`` rows (live, not ended on a stop token) now end with a stop string
+    in the decoded tail of their ``made`` tokens."""
+    hits = torch.zeros_like(candidates)
+    rows = candidates.nonzero().squeeze(-1).tolist()
+    if rows:
+        tails = tokens[rows, max(0, made - stop_strings.window):made].tolist()
+        for row, ended in zip(rows, stop_strings.ended(tails)):
+            hits[row] = ended
+    return hits
 
 
 def _draw(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,

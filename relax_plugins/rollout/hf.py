@@ -8,14 +8,20 @@ the distribution each token was actually sampled from: ``log softmax`` of the lo
 temperature scaling and top-k / top-p truncation. With temperature 1, top_p 1 and top_k 0 that is
 the model's own distribution, which the trainer reproduces to float32 round-off. With temperature
 T != 1 it is ``softmax(logits / T)``, which the ``torch`` trainer also uses (it divides by the
-rollout's temperature); top-k / top-p truncation is not reproduced by the trainer. Greedy decoding
-(temperature 0) reports the log-probs of the unscaled model.
+rollout's temperature); top-k / top-p truncation and the repetition penalty are not reproduced by
+the trainer. Greedy decoding (temperature 0) reports the log-probs of the unscaled model.
+
+Stop strings (``sampling.stop``) end a response at the token that completes the first of them
+(``relax.algo.stop_strings``: that token is the response's last, trained on like a stop
+token; the text ends before the string). The repetition penalty (``sampling.repetition_penalty``)
+is CTRL's, as ``transformers`` applies it, on the prompt's and the response's tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +43,14 @@ class HFRollout:
     #: ``generate_tokens`` honours ``pause``: partial rollouts (``roles.rollout.partial``) can stop
     #: it at a token boundary to swap weights, and continue from the tokens it returned.
     pausable: ClassVar[bool] = True
+    #: Applies the actor's LoRA adapter: an adapter attached to its own base copy, whose tensors each
+    #: weight sync replaces (relax_plugins.lora).
+    lora_adapters: ClassVar[bool] = True
+    #: Token prompts may carry a grammar (``TokenPrompt.grammar``): each step's logits are masked by
+    #: an llguidance matcher (``relax_plugins.rollout.grammars``), on the lean loop and in ``generate``.
+    constrained_decoding: ClassVar[frozenset[str]] = frozenset({"grammar"})
+    #: And takes that adapter from a weight group too (``receive_weights`` copies it into the adapter).
+    adapter_weight_group: ClassVar[bool] = True
 
     class Config(BaseModel):
         """Options of the Hugging Face rollout backend."""
@@ -79,7 +93,8 @@ class HFRollout:
         self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
         from relax_plugins.rollout.chat_template import PromptEncoder
 
-        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, self.max_prompt_tokens)
+        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, self.max_prompt_tokens,
+                                     context.on_long_prompt)
         dtype = getattr(torch, context.model.dtype)
         if self.media is not None:
             from relax_plugins.processing import load_policy_model, placeholder_token_ids
@@ -90,6 +105,13 @@ class HFRollout:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         self.model.to(self.device).eval()
+        self.adapter: Any = None
+        """With the actor's LoRA (``context.lora``): the ``peft`` model around ``self.model``, whose
+        adapter each weight sync replaces; the base weights never change."""
+        if context.lora is not None:
+            from relax_plugins.lora import attach
+
+            self.adapter = attach(self.model, context.lora, trainable=False)
         # A response ends at the tokenizer's eos or at any end token of the model's generation
         # config (chat models often have several, e.g. <|im_end|> and <|endoftext|>).
         declared = self.model.generation_config.eos_token_id
@@ -100,6 +122,8 @@ class HFRollout:
         self.lean = self.media is None and supports(self.model)
         """Text generation runs on the lean sampling loop (``relax_plugins.rollout.decode``);
         media models and models without a standard key/value cache keep ``generate``."""
+        self._grammar_tokenizer: Any = None
+        """llguidance's view of the tokenizer, built on the first constrained prompt."""
         self.version = 0
         """The policy version of the weights held (0: the initial weights)."""
         self._recipient: Any = None
@@ -177,8 +201,16 @@ class HFRollout:
             extra = {k: v.to(self.device) for k, v in batch_media([self._items(p.media) for p in prompts]).items()}
         budgets = [int(p.max_new_tokens or sampling.max_new_tokens) for p in prompts]
         rows = [(index, list(p.ids)) for index, p in enumerate(prompts)]
+        texts = [getattr(p, "grammar", None) for p in prompts]
+        grammars = None
+        if any(t is not None for t in texts):
+            from relax_plugins.rollout.grammars import RowGrammars, grammar_tokenizer
+
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.stop_token_ids)
+            grammars = RowGrammars(self._grammar_tokenizer, texts)
         with torch.no_grad():
-            return self._generate_rows(rows, sampling, seed, extra, pause, budgets)
+            return self._generate_rows(rows, sampling, seed, extra, pause, budgets, grammars)
 
     def encode_text(self, text: str, refs: list[Any]) -> list[int]:
         """Rendered chat text with one media marker per reference, as the model reads it: ids with the
@@ -217,13 +249,14 @@ class HFRollout:
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sampling: Any, seed: int,
                        media_inputs: dict[str, Any] | None = None, pause: Any = None,
-                       budgets: list[int] | None = None) -> list[Generation]:
+                       budgets: list[int] | None = None, grammars: Any = None) -> list[Generation]:
         """One response per ``(prompt_index, prompt ids)`` row, row i within ``budgets[i]`` new
         tokens (the sampling's ``max_new_tokens`` when not given), drawn from ``seed`` (a generator
         of its own: the process's global random state is left alone)."""
         import torch
 
         budgets = budgets or [int(sampling.max_new_tokens)] * len(rows)
+        stops = self.stop_strings(sampling)
         if self.model.training:  # a trainer's model (``adopt_model``) it left in training mode
             self.model.eval()
         recorder = None
@@ -239,36 +272,51 @@ class HFRollout:
                                  temperature=float(sampling.temperature), top_p=float(sampling.top_p),
                                  top_k=int(sampling.top_k), stop_ids=self.stop_token_ids, pad_id=self.pad_token_id,
                                  suppressed=self.suppressed, share_prompts=recorder is None, pause=pause,
-                                 generator=torch.Generator(self.device).manual_seed(seed))
+                                 generator=torch.Generator(self.device).manual_seed(seed),
+                                 repetition_penalty=float(getattr(sampling, "repetition_penalty", 1.0)),
+                                 stop_strings=stops, grammars=grammars)
             else:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed)
                     if self.device.type == "cuda":
                         torch.cuda.manual_seed(seed)
-                    sampled = self._sample_with_generate(rows, sampling, budgets, media_inputs or {}, pause)
+                    sampled = self._sample_with_generate(rows, sampling, budgets, media_inputs or {}, pause, stops,
+                                                         grammars)
         routed = (recorder.per_row([len(t) for t in sampled.tokens]) if recorder is not None
                   else [None] * len(rows))
+        from relax.algo.stop_strings import response_text
+
         generations = []
         for i, (prompt_index, ids) in enumerate(rows):
             response, finished = sampled.tokens[i], sampled.finished[i]
-            text_ids = response[:-1] if finished else response
             generations.append(Generation(
                 prompt_index=prompt_index,
                 prompt_ids=list(ids),
                 response_ids=response,
                 logprobs=sampled.logprobs[i],
-                text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+                text=response_text(self.tokenizer, response, finished, self.stop_token_ids, stops),
                 finished=finished,
                 routed_experts=routed[i],
             ))
         return generations
 
+    def stop_strings(self, sampling: Any) -> Any:
+        """The sampling's stop strings (``StopStrings``) for this tokenizer; None without any."""
+        stop = tuple(getattr(sampling, "stop", ()) or ())
+        if not stop:
+            return None
+        from relax.algo.stop_strings import StopStrings
+
+        return StopStrings(self.tokenizer, stop)
+
     def _sample_with_generate(self, rows: list[tuple[int, list[int]]], sampling: Any, budgets: list[int],
-                              media_inputs: dict[str, Any], pause: Any) -> Any:
+                              media_inputs: dict[str, Any], pause: Any, stops: Any = None,
+                              grammars: Any = None) -> Any:
         """``transformers``' own ``generate``, for what the lean loop does not drive: models with
         media inputs (their prefill takes the media tensors and model-specific positions) and
         models without a standard key/value cache. One call at the widest budget; each row is then
-        cut to its own (a prefix of a sample is a sample with the same log-probs)."""
+        cut to its own, and after the token that completes a stop string (a prefix of a sample is
+        a sample with the same log-probs)."""
         import torch
 
         from relax_plugins.rollout.decode import Sampled
@@ -281,7 +329,17 @@ class HFRollout:
             attention_mask[i, width - len(ids):] = 1
         widest = sampling.model_copy(update={"max_new_tokens": max(budgets)})
         stopping = {} if pause is None else {
-            "stopping_criteria": _PauseAt(pause, self.stop_token_ids, budgets).criteria(width)}
+            "stopping_criteria": _PauseAt(pause, self.stop_token_ids, budgets, stops).criteria(width)}
+        penalty = float(getattr(sampling, "repetition_penalty", 1.0))
+        if penalty != 1.0:  # on each row's own tokens: its left padding is no token of its prompt
+            stopping["logits_processor"] = _row_repetition_penalty(penalty, [width - len(ids) for _, ids in rows])
+        if grammars:  # after the penalty, as in the lean loop
+            from transformers import LogitsProcessorList
+
+            from relax_plugins.rollout.grammars import grammar_logits_processor
+
+            stopping["logits_processor"] = LogitsProcessorList(
+                [*stopping.get("logits_processor", []), grammar_logits_processor(grammars, self.stop_token_ids)])
         result = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
@@ -293,11 +351,14 @@ class HFRollout:
         scores = torch.stack(result.scores, dim=1).float()  # [rows, new, vocab], as sampled from
         logprobs = torch.log_softmax(scores, dim=-1).gather(
             -1, new_tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu().tolist()
-        stops = set(self.stop_token_ids)
+        ends = set(self.stop_token_ids)
         tokens, kept, finished = [], [], []
         for i, sequence in enumerate(new_tokens.tolist()):
-            end = next((j for j, token in enumerate(sequence[:budgets[i]]) if token in stops), None)
+            end = next((j for j, token in enumerate(sequence[:budgets[i]]) if token in ends), None)
             length = min(len(sequence), budgets[i]) if end is None else end + 1
+            at = stops.end(sequence[:length]) if stops else None
+            if at is not None and (end is None or at < length):
+                length, end = at, at - 1
             tokens.append(sequence[:length])
             kept.append(logprobs[i][:length])
             finished.append(end is not None)
@@ -315,12 +376,17 @@ class HFRollout:
         if self.shares_model and not weights:
             self.version = int(version)
             return
-        load_state(self.model, weights)
+        if self.adapter is not None:  # the adapter's tensors alone (PEFT names)
+            from relax_plugins.lora import load_adapter
+
+            load_adapter(self.model, weights)
+        else:
+            load_state(self.model, weights)
         self.version = int(version)
 
     def adopt_model(self, model: Any) -> bool:
         """Generate with ``model``, a trainer's model in this process, instead of this backend's
-        own copy (colocate mode, ``relax.runtime.weight_channels.share_policy_model``): no weight
+        own copy (colocate mode, ``relax.runtime.worker.weight_channels.share_policy_model``): no weight
         copy per step and one copy of the weights in memory instead of three (the trainer's, the
         handed-over snapshot, this backend's). Taken only when it is the same kind of model, of
         the same configuration, dtype and device; returns whether it was taken."""
@@ -341,6 +407,48 @@ class HFRollout:
             torch.cuda.empty_cache()
         return True
 
+    def load_buckets(self, shapes: dict[str, Any], buckets: Any, version: int) -> int:
+        """Take a trainer's weights in this process as its extractor yields them (colocation across
+        ranks): ``shapes`` are every tensor's (dtype, shape), checked before any is copied, and
+        ``buckets`` the ``(name, tensor)`` lists, copied into the model one bucket at a time, so no
+        second full copy is ever held. Records ``version``; returns the bytes taken."""
+        from relax_plugins.hf_weights import load_stream
+
+        if self.adapter is not None:
+            raise ValueError("an hf rollout with a LoRA adapter takes the adapter through load_weights; colocation "
+                             "across ranks hands over full weights only")
+        taken = 0
+
+        def tensors() -> Any:
+            nonlocal taken
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    taken += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        load_stream(self.model, {name: list(shape) for name, (_, shape) in shapes.items()}, tensors())
+        self.version = int(version)
+        return taken
+
+    def sleep(self) -> None:
+        """Free the device while the trainer beside it trains: on a GPU the model moves to host
+        memory (the ``hf`` engine keeps no cache between calls); on CPU there is nothing to free."""
+        import torch
+
+        if self.device.type == "cuda" and not self.asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Back on the device before the next weights or generation (``sleep``)."""
+        if self.asleep and self.device.type == "cuda":
+            self.model.to(self.device)
+        self.asleep = False
+
+    asleep: bool = False
+    """Whether the model is off the device (``sleep``) until ``wake``."""
+
     def join_weight_group(self, address: dict[str, Any]) -> None:
         """Join a weight group as its rank 1 (the group forms once the sender sends its first round)."""
         from relax.weight_group import WeightRecipient
@@ -358,7 +466,12 @@ class HFRollout:
         if recipient is None:
             raise RuntimeError("receive_weights before join_weight_group; join the sender's group first")
         version, tensors = recipient.receive()
-        load_stream(self.model, recipient.shapes, tensors)
+        if self.adapter is not None:  # a LoRA adapter's tensors (a few MB): taken whole, checked, then copied
+            from relax_plugins.lora import load_adapter
+
+            load_adapter(self.model, {name: tensor.clone() for name, tensor in tensors})
+        else:
+            load_stream(self.model, recipient.shapes, tensors)
         self.version = int(version)
         return self.version
 
@@ -373,14 +486,15 @@ class _PauseAt:
     """Asks a partial rollout's ``pause`` after each generated token whether to stop the whole
     batch there (a ``transformers`` stopping criterion that stops every row or none)."""
 
-    def __init__(self, pause: Callable[[list[bool]], bool], stop_token_ids: list[int], budgets: list[int]) -> None:
+    def __init__(self, pause: Callable[[list[bool]], bool], stop_token_ids: list[int], budgets: list[int],
+                 stop_strings: Any = None) -> None:
         self.pause, self.stops, self.budgets = pause, set(stop_token_ids), budgets
+        self.stop_strings = stop_strings
         self.done = [False] * len(budgets)
 
     def criteria(self, width: int) -> Any:
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
         import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
 
         outer = self
 
@@ -390,10 +504,36 @@ class _PauseAt:
                 for i, token in enumerate(input_ids[:, -1].tolist()):
                     if not outer.done[i] and (token in outer.stops or made >= outer.budgets[i]):
                         outer.done[i] = True
+                texts = outer.stop_strings
+                if texts:  # rows whose response now completes a stop string are done too
+                    rows = [i for i, done in enumerate(outer.done) if not done]
+                    tails = input_ids[rows, max(width, input_ids.shape[1] - texts.window):].tolist()
+                    for i, ended in zip(rows, texts.ended(tails) if rows else []):
+                        outer.done[i] = outer.done[i] or ended
                 stop = bool(outer.pause(list(outer.done)))
                 return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
         return StoppingCriteriaList([Criterion()])
+
+
+def _row_repetition_penalty(penalty: float, starts: list[int]) -> Any:
+    """``generate``'s logits processor for the repetition penalty of the lean loop
+    (``relax_plugins.rollout.decode.penalize_repetition``): on the tokens of row ``i`` from column
+    ``starts[i]`` on (transformers' own processor would also penalize the pad token of left-padded
+    rows). Run before temperature and top-k / top-p, as transformers' own is."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from relax_plugins.rollout.decode import penalize_repetition
+
+    class RowPenalty(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            first = torch.tensor(starts, device=input_ids.device)
+            held = (torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= first[:, None]).int()
+            seen = torch.zeros(scores.shape, dtype=torch.int32, device=scores.device).scatter_add_(1, input_ids, held)
+            return penalize_repetition(scores, seen > 0, penalty)
+
+    return LogitsProcessorList([RowPenalty()])
 
 
 def same_device(held: Any, wanted: Any) -> bool:

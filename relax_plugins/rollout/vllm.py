@@ -44,6 +44,13 @@ and forgets it when the prefix cache is reset (after every weight push). Its cap
 vLLM's model runner V2, which needs Triton (triton-cpu on CPUs), and only with prefix caching on;
 where either is missing the backend refuses ``record_routing`` when it is built, naming the cause.
 
+Stop strings (``sampling.stop``) go to the engine (``SamplingParams.stop``, which needs its
+detokenizer on while they are set); the response's tokens are then cut where
+``relax.algo.stop_strings`` finds the first one complete, exactly as the ``hf`` backend does: the
+token that completes it is the response's last (in the loss, like a stop token), the text ends
+before the string (vLLM's own ``include_stop_str_in_output=False``). The repetition penalty
+(``sampling.repetition_penalty``) is vLLM's, the same CTRL penalty on prompt and response tokens.
+
 Seeding: every sample is its own request with a seed drawn from ``(seed, row)``, and a call's
 requests are queued while the scheduler is paused and released together, so the same weights,
 prompts and seed give the same batches and the same generations.
@@ -60,13 +67,14 @@ import hashlib
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.contracts import Generation, RolloutContext, TokenPrompt
+from relax.environment import temporarily_set
 
 GIB = 1 << 30
 #: Where the worker-side half lives (vLLM imports it in its worker processes).
@@ -92,6 +100,12 @@ class VLLMRollout:
     #: ``generate_tokens`` honours ``pause`` (streamed outputs; the running requests are aborted at
     #: the pause): partial rollouts (``roles.rollout.partial``) swap weights there and continue.
     pausable: ClassVar[bool] = True
+    #: Serves the actor's LoRA adapter: a LoRARequest with a new id per version (vllm_lora.ServedAdapter).
+    lora_adapters: ClassVar[bool] = True
+    #: Token prompts may carry vLLM structured outputs (``TokenPrompt.structured_outputs``, the
+    #: agent gateway's tool_choice and response_format): the engine masks the logits before its
+    #: sampler, so the processed log-probs reported are the masked distribution's.
+    constrained_decoding: ClassVar[frozenset[str]] = frozenset({"structured_outputs"})
 
     class Config(BaseModel):
         """Options of the vLLM rollout backend."""
@@ -147,7 +161,8 @@ class VLLMRollout:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         from relax_plugins.rollout.chat_template import PromptEncoder
 
-        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, int(context.max_prompt_tokens))
+        self.prompts = PromptEncoder(self.tokenizer, context.chat_template, int(context.max_prompt_tokens),
+                                     context.on_long_prompt)
         self.eos_token_id, self.pad_token_id = end_and_pad_ids(self.tokenizer, self.model_path)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.stop_token_ids = [self.eos_token_id] + [t for t in _declared_eos(self.model_path)
@@ -155,12 +170,19 @@ class VLLMRollout:
         self._stops = frozenset(self.stop_token_ids)
         self.weight_shapes = _checkpoint_shapes(self.model_path)
         self.tied = bool(getattr(self.hf_config.get_text_config(), "tie_word_embeddings", False))
-        if self.tied and "lm_head.weight" not in self.weight_shapes and "model.embed_tokens.weight" in self.weight_shapes:
+        if (self.tied and "lm_head.weight" not in self.weight_shapes
+                and "model.embed_tokens.weight" in self.weight_shapes):
             self.weight_shapes["lm_head.weight"] = self.weight_shapes["model.embed_tokens.weight"]
 
         self.record_routing = bool(context.record_routing)
         self.moe_layers = moe_layer_indices(self.hf_config.get_text_config())
         """Decoder layers with a router, in model order (the capture's layers kept in the recording)."""
+        self.adapter: Any = None
+        """With the actor's LoRA (``context.lora``): the adapter versions served on the frozen base."""
+        if context.lora is not None:
+            from relax_plugins.rollout.vllm_lora import ServedAdapter
+
+            self.adapter = ServedAdapter(context.lora, self.model_path, bool(self.moe_layers))
 
         import vllm  # noqa: F401  (a missing install fails here, before threads and processes)
 
@@ -172,7 +194,7 @@ class VLLMRollout:
         self._thread.start()
         self.engine: Any = None
         try:
-            with _environment(self._engine_environment()):
+            with temporarily_set(self._engine_environment()):
                 self.engine = self._call(self._start_engine(self._engine_args()))
         except Exception:
             self.close()
@@ -246,7 +268,8 @@ class VLLMRollout:
         from vllm.triton_utils import HAS_TRITON
 
         if not HAS_TRITON:
-            needed = "triton-cpu (vLLM's CPU build uses Triton's CPU backend)" if current_platform.is_cpu() else "Triton"
+            needed = ("triton-cpu (vLLM's CPU build uses Triton's CPU backend)" if current_platform.is_cpu()
+                      else "Triton")
             raise ValueError(f"algorithm.router_replay r3 with the vllm rollout needs vLLM's routed-experts capture, "
                              f"which vLLM {vllm.__version__} runs only in its model runner V2, and that needs "
                              f"{needed}: this environment has no usable Triton. Install it in the rollout's "
@@ -275,6 +298,8 @@ class VLLMRollout:
         )
         if self.record_routing:
             args["enable_return_routed_experts"] = True
+        if self.adapter is not None:
+            args.update(self.adapter.engine_args())
         if config.kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(config.kv_cache_gib * GIB)
         if config.max_num_seqs is not None:
@@ -321,20 +346,31 @@ class VLLMRollout:
         return self.prompts(prompt)
 
     def sampling_params(self, sampling: Any, seed: int, max_tokens: int | None = None,
-                        prompt_tokens: int | None = None, streamed: bool = False) -> Any:
+                        prompt_tokens: int | None = None, streamed: bool = False,
+                        structured: dict[str, Any] | None = None) -> Any:
         """vLLM's ``SamplingParams`` for one sample (one request) of the spec's sampling block;
         ``max_tokens`` is the request's own budget (None: ``sampling.max_new_tokens``).
         ``prompt_tokens`` (the request's prompt length; needed when recording routing) has the
         engine return routing from the prompt's last token on, the positions R3 keeps.
-        ``streamed``: every output so far, as it grows (a request a partial rollout may pause)."""
+        ``streamed``: every output so far, as it grows (a request a partial rollout may pause).
+        ``structured``: ``StructuredOutputsParams`` keyword arguments the response must follow."""
         from vllm import SamplingParams
-
         from vllm.sampling_params import RequestOutputKind
 
         budget = int(sampling.max_new_tokens if max_tokens is None else max_tokens)
+        stop = list(getattr(sampling, "stop", ()) or ())
         common = dict(n=1, max_tokens=budget, logprobs=0, seed=seed,
-                      stop_token_ids=list(self.stop_token_ids), detokenize=False,
+                      stop_token_ids=list(self.stop_token_ids), detokenize=bool(stop),
                       output_kind=RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY)
+        if stop:  # the engine stops on them; _generation cuts the tokens where they complete
+            common.update(stop=stop, include_stop_str_in_output=False)
+        penalty = float(getattr(sampling, "repetition_penalty", 1.0))
+        if penalty != 1.0:
+            common["repetition_penalty"] = penalty
+        if structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            common["structured_outputs"] = StructuredOutputsParams(**structured)
         if self.record_routing:
             if not prompt_tokens:
                 raise ValueError("sampling_params needs prompt_tokens while recording routing (r3)")
@@ -348,11 +384,20 @@ class VLLMRollout:
         """``n`` samples of each prompt, prompt-major (``prompt_index`` = index into ``prompts``)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self.encode_prompt(p) for p in prompts]
+        encoded = self.prompts.encode_all(list(prompts))  # each distinct prompt once
         rows = [(index, ids) for index, ids in enumerate(encoded) for _ in range(n)]
         params = [self.sampling_params(sampling, _row_seed(seed, row), prompt_tokens=len(ids))
                   for row, (_, ids) in enumerate(rows)]
-        return self._sample(rows, params)
+        return self._sample(rows, params, self._stop_strings(sampling))
+
+    def _stop_strings(self, sampling: Any) -> Any:
+        """The sampling's stop strings (``relax.algo.stop_strings.StopStrings``); None without any."""
+        stop = tuple(getattr(sampling, "stop", ()) or ())
+        if not stop:
+            return None
+        from relax.algo.stop_strings import StopStrings
+
+        return StopStrings(self.tokenizer, stop)
 
     def generate_tokens(self, prompts: list[TokenPrompt], sampling: Any, seed: int,
                         pause: Callable[[list[bool]], bool] | None = None) -> list[Generation]:
@@ -373,21 +418,24 @@ class VLLMRollout:
             rows.append((index, list(prompt.ids)))
             budgets.append(budget)
             params.append(self.sampling_params(sampling, _row_seed(seed, index), max_tokens=budget,
-                                               prompt_tokens=len(prompt.ids), streamed=pause is not None))
+                                               prompt_tokens=len(prompt.ids), streamed=pause is not None,
+                                               structured=getattr(prompt, "structured_outputs", None)))
         if not rows:
             return []
+        stops = self._stop_strings(sampling)
         if pause is None:
-            return self._sample(rows, params)
+            return self._sample(rows, params, stops)
         with self._lock:
             outputs = self._call(self._generate_until(rows, params, budgets, pause))
-        return [self._generation(index, ids, output) for (index, ids), output in zip(rows, outputs)]
+        return [self._generation(index, ids, output, stops) for (index, ids), output in zip(rows, outputs)]
 
-    def _sample(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> list[Generation]:
+    def _sample(self, rows: list[tuple[int, list[int]]], params: list[Any], stops: Any = None) -> list[Generation]:
         """Run one call's requests (``(prompt_index, prompt ids)`` rows, one ``SamplingParams``
-        each) on the engine and convert their outputs, in the rows' order."""
+        each) on the engine and convert their outputs, in the rows' order (``stops``: the
+        sampling's stop strings)."""
         with self._lock:
             outputs = self._call(self._generate(rows, params))
-        return [self._generation(index, ids, output) for (index, ids), output in zip(rows, outputs)]
+        return [self._generation(index, ids, output, stops) for (index, ids), output in zip(rows, outputs)]
 
     def _check_token_prompt(self, index: int, prompt: TokenPrompt, budget: int) -> None:
         """What the engine cannot serve, refused before any request is queued (vLLM would fail a
@@ -413,24 +461,33 @@ class VLLMRollout:
                              "set roles.rollout.options.max_model_len to at least data.max_prompt_tokens + "
                              "roles.rollout.agent.max_tokens")
 
-    def _generation(self, prompt_index: int, ids: list[int], output: Any) -> Generation:
+    def _generation(self, prompt_index: int, ids: list[int], output: Any, stops: Any = None) -> Generation:
         """A ``Generation`` from one finished vLLM request: its sampled tokens with their
         log-probs (and, recording routing, each token's routed experts); finished when a stop
-        token ended it, the text decoded without that token."""
+        token or a stop string (``stops``) ended it, the text decoded without either. Tokens after
+        the one that completes a stop string are cut (``relax.algo.stop_strings``)."""
+        from relax.algo.stop_strings import response_text
+
         completion = output.outputs[0]
         response = list(completion.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response)]
         finished = bool(response) and response[-1] in self._stops
-        text_ids = response[:-1] if finished else response
+        if stops:
+            at = stops.end(response)
+            if at is not None:
+                response, logprobs, finished = response[:at], logprobs[:at], True
+            elif isinstance(getattr(completion, "stop_reason", None), str):
+                finished = True  # the engine saw a stop string the tail check did not (decoding edge)
+        routed = (response_routing(completion.routed_experts, len(completion.token_ids), self.moe_layers)
+                  if self.record_routing else None)
         return Generation(
             prompt_index=prompt_index,
             prompt_ids=list(ids),
             response_ids=response,
             logprobs=logprobs,
-            text=self.tokenizer.decode(text_ids, skip_special_tokens=True),
+            text=response_text(self.tokenizer, response, finished, self.stop_token_ids, stops),
             finished=finished,
-            routed_experts=(response_routing(completion.routed_experts, len(response), self.moe_layers)
-                            if self.record_routing else None),
+            routed_experts=routed[:len(response)] if routed is not None else None,
         )
 
     async def _queue(self, rows: list[tuple[int, list[int]]], params: list[Any]) -> tuple[list[str], list[Any]]:
@@ -446,7 +503,8 @@ class VLLMRollout:
         await engine.pause_generation(mode="keep", clear_cache=False)
         try:
             for request_id, (_, prompt_ids), p in zip(ids, rows, params):
-                collectors.append(await engine.add_request(request_id, tokens_input(list(prompt_ids)), p))
+                collectors.append(await engine.add_request(request_id, tokens_input(list(prompt_ids)), p,
+                                                           lora_request=self._lora_request()))
         except BaseException:
             await engine.abort(ids[:len(collectors)])
             raise
@@ -493,10 +551,21 @@ class VLLMRollout:
 
     # -- weights --------------------------------------------------------------------------------
 
+    def _lora_request(self) -> Any:
+        return None if self.adapter is None else self.adapter.request
+
     def load_weights(self, weights: dict[str, Any], version: int) -> None:
         """Replace the engine's weights in place with a full HF ``state_dict`` and record their
-        policy ``version``. A tied ``lm_head.weight`` may be absent; it is pushed either way."""
+        policy ``version``. A tied ``lm_head.weight`` may be absent; it is pushed either way. With
+        the actor's LoRA, ``weights`` are the adapter's tensors: served from the next request on
+        under a new adapter id (the base is not reloaded)."""
         from relax_plugins.rollout.vllm_worker import pack
+
+        if self.adapter is not None:
+            with self._lock:
+                self.adapter.load(weights, version)
+            self.version = int(version)
+            return
 
         weights = dict(weights)
         if self.tied and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
@@ -538,6 +607,9 @@ class VLLMRollout:
     def join_weight_group(self, address: dict[str, Any]) -> None:
         """Have every worker join the weight group at ``address`` (``relax.weight_group``)
         as rank 1 + its own rank; the group forms on the first ``receive_weights``."""
+        if self.adapter is not None:
+            raise ValueError("the vllm rollout takes a LoRA adapter through the object store, not a weight group; "
+                             "set roles.rollout.weight_sync: object_store")
         shapes = {k: list(v) for k, v in self.weight_shapes.items()}
         with self._lock:
             ranks = self._call(self.engine.collective_rpc("relax_join_weight_group",
@@ -573,6 +645,9 @@ class VLLMRollout:
     def close(self) -> None:
         """Stop the engine's processes and the loop thread (idempotent)."""
         engine, self.engine = getattr(self, "engine", None), None
+        adapter = getattr(self, "adapter", None)
+        if adapter is not None:
+            adapter.close()
         loop = getattr(self, "_loop", None)
         running = loop is not None and not loop.is_closed() and self._thread.is_alive()
         if engine is not None:
@@ -701,18 +776,3 @@ def _checkpoint_shapes(model_path: str) -> dict[str, list[int]]:
             for key in handle.keys():
                 shapes[key] = list(handle.get_slice(key).get_shape())
     return shapes
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block, then restore them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 # -- log-probs over a vocabulary split across tensor-parallel ranks ----------------------------------
 
 

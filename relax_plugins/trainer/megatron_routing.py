@@ -29,7 +29,8 @@ Under sequence parallelism (MoE with tp > 1) tensor-parallel rank r routes colum
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction

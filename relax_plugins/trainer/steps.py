@@ -55,6 +55,23 @@ def build_optimizer(params: list[Any], optimizer: OptimizerInfo, backend: str) -
                      "use adamw, adam or sgd")
 
 
+def scheduled_lr(optimizer: OptimizerInfo, total_steps: int, step: int) -> float:
+    """The learning rate of training step ``step`` (0-based; the steps a trainer has taken, its
+    version) under the role's ``lr_schedule`` over the run's ``total_steps``
+    (``relax.algo.schedules``)."""
+    from relax.algo.schedules import learning_rate, warmup_length
+
+    warmup = warmup_length(total_steps, optimizer.warmup_steps, optimizer.warmup_ratio)
+    return learning_rate(step, lr=optimizer.lr, total_steps=total_steps, schedule=optimizer.lr_schedule,
+                         warmup_steps=warmup, min_lr_ratio=optimizer.min_lr_ratio)
+
+
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Give every parameter group of a torch optimizer the learning rate ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _fusable(params: list[Any]) -> bool:
     """Whether to ask for torch's fused Adam kernel: on CPU float parameters, one kernel updates all
     of them where torch's default loops over them in Python (on the tiny CPU model's 20
@@ -101,6 +118,66 @@ def routing_to_replay(mode: str, batch: Any, updates: int, own_routing: Any) -> 
     if mode == "r2" and updates > 1:  # the first update would replay itself: no pass needed
         return batch.with_fields(routed_experts=own_routing(batch))
     return batch
+
+
+def policy_step(engine: Any, batch: Any) -> dict[str, float]:
+    """One training step of a trainer engine (``relax.contracts.TrainerEngine``: the ``torch``
+    trainer, replica or FSDP2, and ``megatron``), written once for all of them.
+
+    ``updates_per_step`` optimizer updates over consecutive mini-batches of the batch. Each update
+    accumulates its micro-batches (the engine cuts and runs them, ``forward_backward``), and each
+    micro-batch's loss is weighted by its share of the mini-batch's response tokens for a token-mean
+    loss, else by its share of rows (``micro_batch_share``). The gradient is then exactly that of the
+    whole mini-batch at once. Under data parallelism each rank passes its own shard of the step's rows:
+    the shares count the tokens and rows of all ranks (``data_parallel_sum``), and the engine sums
+    gradients and stats over them (``finish_gradients``, which also clips). Every rank thus takes the
+    update of the whole batch. Every update trains at the step's learning rate
+    (``optimizer.lr_schedule`` at step ``version``).
+
+    Returns the mean over updates of ``loss``, ``grad_norm`` (before clipping) and the loss's
+    metrics, plus ``lr``, ``tokens`` (this rank's response tokens), ``updates`` and ``version``, and
+    the engine's own figures (``end_step``: ``mismatch/*`` of the first mini-batch, before any
+    update, ``pad_frac``, ``router_replay/changed``)."""
+    if engine.optimizer is None or engine.loss is None:
+        raise RuntimeError(f"roles.{engine.context.role} is forward-only (no optimizer or loss); "
+                           "it can compute log-probs but not train")
+    updates = int(engine.updates_per_step)
+    if engine.data_parallel() and batch.batch_size < updates:
+        raise ValueError(f"this rank got {batch.batch_size} samples, fewer than "
+                         f"algorithm.updates_per_step={updates}; give each rank at least that many")
+    # The step's learning rate, from the steps taken (restored with a checkpoint's version).
+    set_learning_rate(engine.optimizer, scheduled_lr(engine.optimizer_info, int(engine.context.total_steps),
+                                                     engine.version))
+    batch = routing_to_replay(engine.router_replay, batch, updates, engine.own_routing)
+    mismatch = engine.begin_step()
+    totals: dict[str, float] = {}
+    taken = 0
+    engine.model.train()
+    for lo, hi in minibatch_bounds(batch.batch_size, updates):
+        minibatch = batch.select(slice(lo, hi))
+        tokens, rows = engine.data_parallel_sum([float(minibatch.num_response_tokens), float(minibatch.batch_size)])
+        engine.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+
+        def weigh(micro: Any, loss: Any, metrics: dict[str, float], tokens: float = tokens, rows: float = rows,
+                  stats: dict[str, float] = stats) -> Any:
+            share = micro_batch_share(engine.loss, micro, tokens, rows)
+            add_weighted(stats, float(loss.item()), metrics, share)
+            return loss * share
+
+        engine.forward_backward(minibatch, weigh, mismatch if taken == 0 else None)
+        stats["grad_norm"] = engine.finish_gradients(stats)
+        engine.optimizer.step()
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+        taken += 1
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.model.eval()
+    totals, figures = engine.end_step(totals, mismatch)
+    engine.version += 1
+    result = step_result(totals, taken, batch.num_response_tokens, engine.optimizer, engine.version)
+    result.update(figures)
+    return result
 
 
 def step_result(totals: dict[str, float], taken: int, tokens: int, optimizer: Any, version: int) -> dict[str, float]:

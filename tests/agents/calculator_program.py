@@ -4,6 +4,7 @@ tool, its own loop. ``tests/runtime/test_agent_run.py`` runs the tiny agent pres
 
 from __future__ import annotations
 
+import functools
 import json
 
 import openai
@@ -15,10 +16,16 @@ CALCULATOR = CalculatorEnvironment(CalculatorEnvironment.Config())
 TOOLS = [tool.to_openai() for tool in CALCULATOR.tools()]
 
 
+@functools.cache
+def shared_client(base_url: str) -> openai.OpenAI:
+    """One client for the run (docs/agents.md): one connection pool and SSL set-up, not one per trajectory."""
+    return openai.OpenAI(base_url=base_url, api_key="per-trajectory", max_retries=0)
+
+
 def solve(task, base_url: str, api_key: str) -> float | None:
     """Ask, run the calculator for each call the model makes, ask again; the reward plugins score
     the last answer (None)."""
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = shared_client(base_url).with_options(api_key=api_key)
     messages: list = [{"role": "user", "content": task.prompt}]
     reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     for _ in range(2):

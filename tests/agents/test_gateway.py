@@ -22,7 +22,7 @@ from relax.algo.batch import TrainBatch
 from relax.contracts import AgentTask
 from relax.media import dumps_context
 from relax.roles import Column
-from relax.runtime.rows import rollout_columns
+from relax.runtime.worker.rows import rollout_columns
 from relax.spec.models import AgentSpec, GatewaySpec
 
 FOLLOW_UP = "Are you sure?"
@@ -108,8 +108,10 @@ def uses_a_tool(task: AgentTask, base_url: str, api_key: str) -> None:
 
 
 def _driver(program: str, backend, limits: AgentLimits) -> ProgramDriver:
+    """The gateway with ``agent.history: strict`` (an edited history is refused; segments have
+    tests of their own, ``test_gateway_segments.py``)."""
     agent = AgentSpec(gateway=GatewaySpec(program=f"tests.agents.test_gateway:{program}"),
-                      max_turns=limits.max_turns, max_tokens=limits.max_tokens)
+                      max_turns=limits.max_turns, max_tokens=limits.max_tokens, history="strict")
     return ProgramDriver(agent, backend, limits, version=lambda: 5, max_prompt_tokens=128)
 
 

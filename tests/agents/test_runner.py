@@ -174,3 +174,38 @@ def test_a_backend_failure_stops_every_trajectory_and_is_raised(tokenizer):
     script = Script(tokenizer, {j: [CALL % 0, "done"] for j in range(3)}, fail_on_call=1)
     with pytest.raises(BackendFailure, match="engine died"):
         run(tokenizer, environment, script, 3)
+
+
+class FailsFirst(Waiter):
+    """Fails the first ``fails[sample]`` tries of a sample's trajectory in ``start`` (a sandbox that
+    did not come up, or a server gone: ``ConnectionError``), then serves it as the Waiter does."""
+
+    def __init__(self, fails: dict[int, int]) -> None:
+        super().__init__()
+        self.fails, self.starts = dict(fails), {j: 0 for j in fails}
+
+    def start(self, task: AgentTask) -> int:
+        with self._lock:
+            self.starts[task.sample] = self.starts.get(task.sample, 0) + 1
+            if self.starts[task.sample] <= self.fails.get(task.sample, 0):
+                raise ConnectionError(f"sandbox {task.sample} did not come up")
+        return task.sample
+
+
+def test_failed_trajectories_are_regenerated_up_to_the_budget_and_counted(tokenizer):
+    script = Script(tokenizer, {j: [CALL % 0, "done"] for j in range(4)})
+    # sample 1 fails once, sample 2 twice, sample 3 always; budget 2
+    environment = FailsFirst({1: 1, 2: 2, 3: 99})
+    batch = run(tokenizer, environment, script, 4, regenerate_failed=2)
+    assert environment.starts == {0: 1, 1: 2, 2: 3, 3: 3}  # the budget bounds the tries
+    assert [t.outcome for t in batch.trajectories] == ["ok", "ok", "ok", "infra"]
+    assert [t.turn_reward for t in batch.trajectories[:3]] == [1.0, 1.0, 1.0]
+    assert [t.info.get("regenerated", 0) for t in batch.trajectories] == [0, 1, 2, 2]
+    assert "sandbox 2 did not come up" in batch.trajectories[2].info["last_failure"]
+    assert batch.stats["agent_regenerated"] == 5 and batch.stats["agent_failed"] == 1
+    assert batch.stats["agent_outcome/infra"] == 1 and batch.stats["agent_trajectories"] == 4
+    # without a budget (the default) a failure is the sample
+    environment = FailsFirst({1: 1})
+    batch = run(tokenizer, environment, script, 2)
+    assert environment.starts == {0: 1, 1: 1} and [t.outcome for t in batch.trajectories] == ["ok", "infra"]
+    assert batch.stats["agent_regenerated"] == 0

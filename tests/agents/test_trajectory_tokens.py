@@ -20,7 +20,7 @@ from relax.algo.batch import TrainBatch
 from relax.contracts import AgentTask, Observation, ToolSpec
 from relax.media import MediaSet, dumps_context
 from relax.roles import Column
-from relax.runtime.rows import rollout_columns
+from relax.runtime.worker.rows import rollout_columns
 from relax_plugins.datasets.omni import encode_media, omni_problem
 from relax_plugins.processing import pad_token_ids, placeholder_count
 

@@ -118,3 +118,35 @@ def test_a_prompt_that_differs_only_by_a_pad_id_token_is_not_shared():
     for target, predictor in zip(packed.targets.tolist(), packed.predictors.tolist()):
         b, t = divmod(target, ids.shape[1])
         assert _visible(packed, predictor) == ids[b][mask[b].bool()][:positions[b, t - 1] + 1].tolist()
+
+
+def test_used_slots_count_a_shared_prompt_once():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1)
+    assert packed.used == int((packed.input_ids != -1).sum()) == 3 + 2 + 1 + sum(len(r) for r in RESPONSES)
+
+
+def test_the_flex_mask_rule_is_the_dense_masks():
+    ids, mask, positions, response = _batch(PROMPTS, RESPONSES)
+    packed = pack_rows(ids, mask, positions, response, pad_id=-1, capacity=7)
+    rows, capacity = packed.input_ids.shape
+    b, q, k = torch.meshgrid(torch.arange(rows), torch.arange(capacity), torch.arange(capacity), indexing="ij")
+    dense = packed.attention(torch.float32)[:, 0] == 0
+    assert torch.equal(packed.allowed(b, q, k), dense)
+
+
+def test_rows_past_4k_pack_into_one_wide_row_with_a_sparse_block_mask():
+    """Three samples of 1,800 tokens each sharing a 500-token prompt: past ``WIDEST_DEFAULT`` the
+    flex path packs them in one row of 4,608 slots (4,400 used: the prompt once), and its block
+    mask keeps only the blocks the causal segments touch."""
+    prompt = list(range(1, 501))
+    responses = [[2000 + i] * 1300 for i in range(3)]
+    ids, mask, positions, response = _batch([prompt] * 3, responses)
+    packed = pack_rows(ids, mask, positions, response, capacity=4608)
+    assert packed.input_ids.shape == (1, 4608) and packed.used == 4400
+    block = packed.block_mask()
+    blocks = 4608 // 128
+    kept = int(block.kv_num_blocks.sum())
+    assert kept < blocks * (blocks + 1) // 2 * 0.6  # a causal mask over one sequence would keep all of those
+    assert pack_rows(ids, mask, positions, response, widest=16384).input_ids.shape == (2, 3600)  # 2 x longest
+    assert pack_rows(ids, mask, positions, response).input_ids.shape[1] <= 4096  # the dense path's default

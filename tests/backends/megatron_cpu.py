@@ -86,7 +86,7 @@ def trainer_spec(model_path: str, *, tp: int = 1, pp: int = 1, ep: int = 1, micr
 def build_trainer(cls, spec, model_path: str, loss=None):
     """A trainer plugin of class ``cls`` for the spec's actor, with the spec's loss unless given."""
     from relax.plan.contexts import trainer_context
-    from relax.runtime.components import build_loss
+    from relax.runtime.worker.components import build_loss
 
     context = trainer_context(spec, "actor", model_path, loss=loss if loss is not None else build_loss(spec))
     return cls(cls.Config(), context)

@@ -1,7 +1,7 @@
 """``relax run`` with a Megatron actor over two ranks: real Ray (fake GPUs), the real bus, gloo.
 
 The actor's two ranks are two Ray actors on their planned bundles, joined in one process group by
-the runtime (``relax.runtime.ranks``); Megatron splits the model over them by tensor or pipeline
+the runtime (``relax.runtime.worker.ranks``); Megatron splits the model over them by tensor or pipeline
 parallelism. On-policy with the same seeds, the first step trains the same samples from the same
 weights as a one-rank actor, so its loss and gradient norm must agree.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from relax import testing
-from relax.runtime.launch import WORKER_SETUP_ENV
+from relax.runtime.driver.launch import WORKER_SETUP_ENV
 from tests.backends.megatron_cpu import WORKER_SETUP
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

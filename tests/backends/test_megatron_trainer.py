@@ -194,6 +194,27 @@ def test_megatron_and_torch_trainers_agree(models, name, aggregation) -> None:
     _assert_same(megatron.weights(), reference.weights(), atol=1e-4)
 
 
+def test_the_learning_rate_schedule_is_the_torch_trainers(models) -> None:
+    """Both trainers set each step's rate from relax.algo.schedules (cosine over 3 steps after one
+    warmup step: lr/2, lr, then the floor 0.1 lr), report it as ``lr``, and update alike."""
+    from relax_plugins.trainer.megatron import MegatronTrainer
+    from relax_plugins.trainer.torch_trainer import TorchTrainer
+
+    path = models["tiny-lm"]
+    spec = trainer_spec(path, extra={"trainer.steps": 3, "roles.actor.optimizer.lr_schedule": "cosine",
+                                     "roles.actor.optimizer.warmup_steps": 1,
+                                     "roles.actor.optimizer.min_lr_ratio": 0.1})
+    megatron, reference = build_trainer(MegatronTrainer, spec, path), build_trainer(TorchTrainer, spec, path)
+    batch = sample_batch()
+    rates = []
+    for _ in range(3):
+        got, want = megatron.train_step(batch), reference.train_step(batch)
+        assert got["lr"] == want["lr"] == megatron.optimizer.param_groups[0]["lr"]
+        rates.append(got["lr"])
+    assert rates == pytest.approx([5e-4, 1e-3, 1e-4], rel=1e-12)
+    _assert_same(megatron.weights(), reference.weights(), atol=1e-4)
+
+
 def test_an_entropy_loss_gets_the_entropy_of_the_same_distribution(models) -> None:
     """A loss with ``needs_entropy`` receives ``[B, T]`` entropies aligned like the log-probs."""
     import transformers
@@ -555,7 +576,7 @@ def test_the_tiny_preset_trains_with_the_megatron_backend(tmp_path, monkeypatch)
 
     from relax.config import load_spec_dict
     from relax.plan import make_plan
-    from relax.runtime.launch import WORKER_SETUP_ENV, run_spec
+    from relax.runtime.driver.launch import WORKER_SETUP_ENV, run_spec
     from relax.spec import validate_spec
 
     monkeypatch.setenv(WORKER_SETUP_ENV, WORKER_SETUP)
@@ -576,7 +597,7 @@ def test_the_tiny_preset_trains_with_the_megatron_backend(tmp_path, monkeypatch)
     checkpoint = out / "checkpoints" / "step-3" / "trainer"
     assert json.loads((checkpoint / "trainer_state.json").read_text()) == {"version": 3, "backend": "megatron"}
     trained = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
-    from relax.runtime.components import materialize_model
+    from relax.runtime.model_files import materialize_model
 
     start = _hf_state(materialize_model(spec, base))
     assert any(not torch.equal(trained[k], start[k]) for k in start)  # the weights moved

@@ -131,6 +131,44 @@ def test_greedy_matches_the_hf_rollout(engine, spec, tiny_model_path):
     assert diff < 1e-5
 
 
+def test_stop_strings_cut_where_the_hf_rollout_cuts(engine, spec, tiny_model_path):
+    """A stop string ends a response with the token that completes it (kept, like a stop token),
+    the text ends before it, and both backends cut at the same token; on the streamed path too."""
+    hf = build_rollout(make_spec(tiny_model_path, backend="hf"), tiny_model_path)
+    plain = engine.generate(PROMPTS, 1, sampling(spec, temperature=0.0, max_new_tokens=8), seed=0)
+    stopped = sampling(spec, temperature=0.0, max_new_tokens=8, stop=[" "])
+    ours, theirs = engine.generate(PROMPTS, 1, stopped, seed=0), hf.generate(PROMPTS, 1, stopped, seed=0)
+    assert [g.response_ids for g in ours] == [g.response_ids for g in theirs]
+    assert [(g.text, g.finished) for g in ours] == [(g.text, g.finished) for g in theirs]
+    cut = [(a, b) for a, b in zip(plain, ours) if " " in a.text]
+    assert cut  # the greedy answers hold a space after their first number ("8 1")
+    for whole, g in cut:
+        at = len(g.response_ids)
+        assert g.response_ids == whole.response_ids[:at] and at < len(whole.response_ids)
+        assert " " in engine.tokenizer.decode(g.response_ids) and g.finished
+        assert g.text == whole.text.split(" ")[0]
+        assert g.logprobs == pytest.approx(whole.logprobs[:at], abs=1e-5)
+    from relax.contracts import TokenPrompt
+
+    prompts = [TokenPrompt(ids=g.prompt_ids) for g in ours]
+    streamed = engine.generate_tokens(prompts, stopped, seed=0, pause=lambda done: False)
+    assert [g.response_ids for g in streamed] == [g.response_ids for g in ours]
+    assert [g.text for g in streamed] == [g.text for g in ours]
+
+
+def test_repetition_penalty_matches_the_hf_rollout(engine, spec, tiny_model_path):
+    """vLLM's repetition penalty is the CTRL penalty hf applies: the same greedy tokens and
+    log-probs, different from the unpenalized ones."""
+    hf = build_rollout(make_spec(tiny_model_path, backend="hf"), tiny_model_path)
+    penalized = sampling(spec, temperature=0.0, repetition_penalty=3.0)
+    ours, theirs = engine.generate(PROMPTS, 1, penalized, seed=0), hf.generate(PROMPTS, 1, penalized, seed=0)
+    assert [g.response_ids for g in ours] == [g.response_ids for g in theirs]
+    diff = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x.logprobs, y.logprobs))
+    assert diff < 1e-4
+    plain = engine.generate(PROMPTS, 1, sampling(spec, temperature=0.0), seed=0)
+    assert [g.logprobs for g in plain] != [g.logprobs for g in ours]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_the_trainer(engine, tiny_model_path, temperature):
     """The trainer scores vLLM's samples with log_softmax(logits / T), as it does hf's."""
@@ -511,7 +549,8 @@ def test_a_weight_update_mid_generation_continues_under_the_new_weights(engine, 
     """Partial rollouts on vLLM: the requests are aborted at a pause, version 1 is pushed, and the
     samples continue from their tokens; each token's log-prob is the one of the version that chose
     it (a teacher-forced pass of each version's weights), and every sample goes to its end."""
-    from relax.runtime.partial import PartialRollouts
+    from relax.algo.staleness import StalenessPolicy
+    from relax.runtime.worker.partial import PartialRollouts
     from relax.testing import teacher_forced_logprobs
 
     original = build_trainer(spec, tiny_model_path).weights()
@@ -523,7 +562,7 @@ def test_a_weight_update_mid_generation_continues_under_the_new_weights(engine, 
         asked["n"] += 1
         return asked["n"] > 3 and engine.version == 0
 
-    partial = PartialRollouts(engine, max_staleness=1, newer=newer, swap=lambda: engine.load_weights(pushed, 1))
+    partial = PartialRollouts(engine, StalenessPolicy(1), newer=newer, swap=lambda: engine.load_weights(pushed, 1))
     long = sampling(spec, max_new_tokens=24)
     try:
         gens, stats = partial.sample(0, [engine.encode_prompt(p) for p in PROMPTS], N, long, seed=9,

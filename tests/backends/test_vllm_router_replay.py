@@ -20,7 +20,7 @@ from relax.spec import validate_spec  # before relax.registry: importing that fi
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 from relax.roles import Column
-from relax.runtime.rows import rollout_columns
+from relax.runtime.worker.rows import rollout_columns
 from relax.algo.batch import TrainBatch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -16,24 +16,33 @@ from relax.spec.schema import schema_text, spec_reference_markdown
 from .conftest import ROOT
 
 PRESETS = sorted(p.name for p in PRESETS_DIR.glob("*.yaml"))
-CPU_PRESETS = ["tiny-agent-cpu.yaml", "tiny-cpu.yaml", "tiny-longtail-cpu.yaml", "tiny-omni-cpu.yaml"]
+CPU_PRESETS = ["tiny-agent-cpu.yaml", "tiny-cpu.yaml", "tiny-fsdp-cpu.yaml", "tiny-longtail-cpu.yaml",
+               "tiny-lora-cpu.yaml", "tiny-omni-cpu.yaml"]
 HEAVY = ("torch", "ray", "vllm", "megatron", "transformers")
 #: A machine without GPUs, whatever runs the tests (CUDA hides every GPU for an empty value).
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_validate_accepts_every_preset_but_a_gpu_one_on_a_machine_without_gpus(relax, preset):
+def test_validate_accepts_every_preset_and_notes_what_this_machine_lacks(relax, preset):
+    # validate judges the spec, wherever it is written: a GPU preset on a machine without GPUs is
+    # valid, with a note; --here judges it for this machine, as `relax run` does, and refuses it
     result = relax("validate", str(PRESETS_DIR / preset), env_vars=NO_GPUS)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: ") and result.stderr == ""
+    here = relax("validate", "--here", str(PRESETS_DIR / preset), env_vars=NO_GPUS)
     if preset in CPU_PRESETS:
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith("ok: ")
-    else:  # `relax run` would refuse it here, for this reason only
-        assert result.returncode == 2
-        assert result.stderr.startswith("1 problem in the run spec:\n  - cluster.address: the spec asks for ")
-        assert "set cluster.address to run on a GPU cluster" in result.stderr
-    # on a GPU cluster it is valid
-    assert relax("validate", str(PRESETS_DIR / preset), "cluster.address=ray://head:10001").returncode == 0
+        assert "note" not in result.stdout
+        assert here.returncode == 0, here.stderr
+    else:  # `relax run` would refuse it here
+        assert any(line.startswith("note (this machine, not the spec; `relax run` and `relax validate --here` "
+                                   "refuse it here): cluster.address: the spec asks for ")
+                   for line in result.stdout.splitlines()[1:])
+        assert here.returncode == 2
+        assert "\n  - cluster.address: the spec asks for " in here.stderr
+        assert "set cluster.address to run on a GPU cluster" in here.stderr
+    # on a GPU cluster it runs from here
+    assert relax("validate", "--here", str(PRESETS_DIR / preset), "cluster.address=ray://head:10001").returncode == 0
 
 
 def test_validate_accepts_a_preset_name_and_overrides(relax):
@@ -131,8 +140,8 @@ print("\\n" + json.dumps({{"rc": rc, "heavy": heavy}}))
 """
 
 
-@pytest.mark.parametrize("command", [["validate"], ["plan"], ["plan", "--format", "json"]],
-                         ids=["validate", "plan", "plan-json"])
+@pytest.mark.parametrize("command", [["validate"], ["validate", "--here"], ["plan"], ["plan", "--format", "json"]],
+                         ids=["validate", "validate-here", "plan", "plan-json"])
 @pytest.mark.parametrize("preset", ["tiny-cpu.yaml", "qwen3-4b-grpo-async.yaml"])
 def test_validate_and_plan_import_no_heavy_library(command, preset):
     argv = [command[0], str(PRESETS_DIR / preset), *command[1:]]
@@ -140,9 +149,10 @@ def test_validate_and_plan_import_no_heavy_library(command, preset):
                             capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **NO_GPUS})
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["heavy"] == []
-    # validate counts this machine's GPUs (none here) without torch; plan shows the layout anyway
-    gpu_validate = command == ["validate"] and preset not in CPU_PRESETS
-    assert report["rc"] == (2 if gpu_validate else 0), result.stderr
+    # validate counts this machine's GPUs (none here) without torch: a note, an error with --here;
+    # plan shows the layout anyway
+    refused = command == ["validate", "--here"] and preset not in CPU_PRESETS
+    assert report["rc"] == (2 if refused else 0), result.stderr
 
 
 # -- relax plugins, completion, pipes -------------------------------------------------------------

@@ -43,8 +43,10 @@ def test_validate_raises_every_problem_as_the_command_prints_them(capsys):
     with pytest.raises(SpecError) as caught:
         relax.validate("tiny-cpu", bad)
     assert main(["validate", "tiny-cpu", *bad]) == 2
-    assert capsys.readouterr().err.strip() == caught.value.render().strip()
+    # The command prints each fix as the command line to rerun, the error as overrides (str(issue)).
+    assert capsys.readouterr().err.strip() == caught.value.render(["relax", "validate", "tiny-cpu", *bad]).strip()
     assert len(caught.value.issues) == 2
+    assert [issue.fix for issue in caught.value.issues] == [("algorithm.samples_per_prompt=1",), ("trainer.steps=1",)]
 
 
 def test_plan_is_the_plan_the_command_renders(capsys):
@@ -55,6 +57,18 @@ def test_plan_is_the_plan_the_command_renders(capsys):
     from relax import plan as plan_package  # the package of the same name answers the call too
 
     assert plan_package("tiny-cpu") == relax.plan("tiny-cpu") and plan_package.make_plan is make_plan
+
+
+def test_validate_judges_the_spec_and_here_judges_this_machine_too(monkeypatch):
+    from relax.spec import machine
+    from relax.spec.validate import machine_notes
+
+    monkeypatch.setattr(machine, "local_gpu_count", lambda: 0)
+    spec = relax.validate("qwen3-4b-grpo-async")  # 8 GPUs on an embedded Ray: a valid spec
+    assert "cluster.address" in [note.path for note in machine_notes(spec)]
+    with pytest.raises(SpecError) as caught:
+        relax.validate("qwen3-4b-grpo-async", here=True)  # as relax validate --here and relax run
+    assert "cluster.address" in [issue.path for issue in caught.value.issues]
 
 
 @pytest.mark.parametrize(("args", "error", "match"), [

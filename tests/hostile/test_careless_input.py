@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from relax.runtime.checkpoint import META, checkpoint_root, checkpoints_to_remove, resume_checkpoint
-from relax.runtime.launch import RUN_MARKER, OutputFolderError, keep_previous_run, resume_point
+from relax.runtime.driver.launch import RUN_MARKER, OutputFolderError, keep_previous_run, resume_point
 from relax.runtime.metrics import MetricsLog
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,9 +16,10 @@ its policy) must stop the run at once: no "restarted in place" line, no restart 
 | reward_wrong_count     | a reward returning one score fewer than samples    | 1    | short_scores, returned 127 scores for 128 samples |
 | reward_fails_all_zero  | a reward failing on every sample under on_error: zero | 1 | always_raises, 100%, max_error_frac             |
 | reward_hangs           | a reward that never returns, ``timeout_s: null``   | 1    | reward 'never_returns', progress_timeout_s        |
+| reward_exits           | a reward that calls ``os._exit``                   | 1    | its process died, while busy with reward 'exits_process' |
 
-The probes that need a checkpoint to corrupt or a hang to wait out (truncated_weights,
-garbage_optimizer, reward_hangs) run in the faults lane; the others in the default suite.
+The probes that need a checkpoint to corrupt, a hang to wait out or a process to die (truncated_weights,
+garbage_optimizer, reward_hangs, reward_exits) run in the faults lane; the others in the default suite.
 
 Separate tests (a setup of their own):
 
@@ -91,8 +92,10 @@ def garbage_optimizer(checkpoint: Path) -> None:
     (checkpoint / "step-2" / "trainer" / "optimizer.pt").write_bytes(b"not a torch file\x00" * 64)
 
 
+# The progress timeout also bounds a worker's start (loading the model, its first compile): 20 s leaves
+# a start on a loaded 2-core box inside it (6 s did not, once), so only the reward's hang passes it.
 HANG = ("fault_tolerance.heartbeat_s=0.5", "fault_tolerance.heartbeat_timeout_s=4",
-        "fault_tolerance.progress_timeout_s=6", "fault_tolerance.roles.rollout.max_restarts=0")
+        "fault_tolerance.progress_timeout_s=20", "fault_tolerance.roles.rollout.max_restarts=0")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ TABLE = [
           words=("RewardError", "always_raises", "(100%)", "max_error_frac")),
     Probe("reward_hangs", reward("{name: never_returns, timeout_s: null}"), extra=HANG,
           words=("busy with reward 'never_returns' (never_returns)", "progress_timeout_s", "rewards[].timeout_s")),
+    Probe("reward_exits", reward("{name: exits_process}"), extra=("fault_tolerance.roles.rollout.max_restarts=0",),
+          words=("its process died", "while busy with reward 'exits_process' (exits_process)")),
 ]
 
 
@@ -150,7 +155,7 @@ def checkpointed(hostile_ray, tmp_path_factory) -> Path:
 
 
 #: Probes that cost a run more (a checkpoint to corrupt, a hang to wait out) run in the faults lane.
-SLOW = {"truncated_weights", "garbage_optimizer", "reward_hangs"}
+SLOW = {"truncated_weights", "garbage_optimizer", "reward_hangs", "reward_exits"}
 
 
 @pytest.mark.parametrize("probe", [pytest.param(p, id=p.name, marks=[pytest.mark.faults] if p.name in SLOW else [])
@@ -187,7 +192,7 @@ def test_empty_data_file_is_refused_before_anything_starts(tmp_path: Path, capsy
 
 def test_a_reward_over_its_error_share_stops_under_zero() -> None:
     from relax.contracts import RewardSample
-    from relax.runtime.scoring import RewardEntry, RewardError, RewardScorer
+    from relax.runtime.worker.scoring import RewardEntry, RewardError, RewardScorer
 
     class FailsOnOdd:
         def score(self, samples):
@@ -222,7 +227,7 @@ def test_a_transient_failure_is_restarted_and_the_run_goes_on(hostile_ray, tmp_p
 
 def test_a_transient_reward_failure_leaves_the_scorer_as_itself() -> None:
     from relax.contracts import RewardSample, TransientError
-    from relax.runtime.scoring import RewardEntry, RewardScorer
+    from relax.runtime.worker.scoring import RewardEntry, RewardScorer
 
     class Down:
         calls = 0
@@ -239,8 +244,8 @@ def test_a_transient_reward_failure_leaves_the_scorer_as_itself() -> None:
 
 
 def test_a_hung_reward_is_named() -> None:
-    from relax.runtime.health import hung_workers
-    from relax.runtime.records import Beat
+    from relax.runtime.state.health import hung_workers
+    from relax.runtime.state.records import Beat
 
     beats = {"rollout": Beat(at=100.0, activity="reward 'judge' (remote) scoring 16 samples of step 3",
                              busy_since=10.0)}
@@ -267,7 +272,7 @@ def _leftovers(session: dict) -> list[str]:
     whose command line names its session folder, and workers of its raylet."""
     import psutil
 
-    recorded = {int(pid): started for pid, started in session["pids"].items()}
+    recorded = {int(entry["pid"]): entry["started"] for entry in session.get("processes", [])}
     left = []
     for process in psutil.process_iter(["pid", "cmdline", "create_time"]):
         try:

@@ -35,7 +35,7 @@ import pytest
 
 from relax.contracts import RewardSample
 from relax.registry import get_registry
-from relax.runtime.control import CONTROL_FILE, ControlServer
+from relax.runtime.driver.control import CONTROL_FILE, ControlServer
 from relax_plugins.rewards.remote import RemoteRewardError
 
 CATALOGUE = [
@@ -303,7 +303,7 @@ def test_remote_reward_failure_budget_per_batch() -> None:
     """A 16-sample batch scored the way the reward runner does it (the batch, then sample by sample
     after a failure) against a service that always answers 500: at most max_failures_per_batch
     requests, and every sample is reported failed. The next batch gets a fresh budget."""
-    from relax.runtime.scoring import RewardEntry, RewardScorer
+    from relax.runtime.worker.scoring import RewardEntry, RewardScorer
 
     def fail(handler: BaseHTTPRequestHandler) -> None:
         handler.send_response(500)

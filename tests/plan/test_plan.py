@@ -20,16 +20,10 @@ from relax.config.loader import PRESETS_DIR
 PRESETS = sorted(PRESETS_DIR.glob("*.yaml"))
 
 
-#: A two-node layout whose model no built-in trainer can hold (examples/, not relax/presets/): its layout
-#: is checked without the memory check.
-OMNI_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-omni-30b-a3b.yaml"
-
-
 def plan_of(ref: str | Path, *overrides: str):
-    check_memory = ref != "qwen3-omni-30b-a3b"
-    raw, base = load_spec_dict(str(OMNI_EXAMPLE if not check_memory else ref), list(overrides))
+    raw, base = load_spec_dict(str(ref), list(overrides))
     spec = validate_spec(raw, base_dir=base)
-    return spec, make_plan(spec, base_dir=base, check_memory=check_memory)
+    return spec, make_plan(spec, base_dir=base)
 
 
 def issue_paths(exc: pytest.ExceptionInfo[SpecError]) -> list[str]:

@@ -10,13 +10,13 @@ import pytest
 
 from relax.plan.contexts import rollout_context
 from relax.registry import get_registry
-from relax.runtime.components import materialize_path
-from relax.runtime.rows import rollout_columns
+from relax.runtime.model_files import materialize_path
+from relax.runtime.worker.rows import rollout_columns
 from relax.testing import tiny_spec
 
 PROMPT = "347*58="
 #: The tiny agent's model: the built-in tiny-lm with its calculator task, whose tokenizer has a chat
-#: template (relax/presets/tiny-agent-cpu.yaml).
+#: template (presets/tiny-agent-cpu.yaml).
 AGENT_OPTIONS = {"task": "calculator", "num_attention_heads": 4, "num_kv_heads": 4, "warmup_steps": 300}
 
 

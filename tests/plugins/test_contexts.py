@@ -71,3 +71,19 @@ def test_algorithm_context_is_the_algorithm_slice(spec):
 def test_contexts_refuse_unknown_fields():
     with pytest.raises(ValidationError, match="spec"):
         RolloutContext(model=ModelInfo(path="/m"), spec={"roles": {}})
+
+
+def test_schedule_stop_strings_and_run_length_reach_the_contexts():
+    raw = {**SPEC, "trainer": {"steps": 40},
+           "roles": {**SPEC["roles"],
+                     "rollout": {"sampling": {"stop": ["</answer>"], "repetition_penalty": 1.2}},
+                     "actor": {"optimizer": {"lr_schedule": "cosine", "warmup_ratio": 0.1, "min_lr_ratio": 0.2}}}}
+    spec = validate_spec(raw)
+    sampling = rollout_context(spec, "/m").sampling
+    assert (sampling.stop, sampling.repetition_penalty) == (("</answer>",), 1.2)
+    actor = trainer_context(spec, "actor", "/m")
+    optimizer = actor.training.optimizer
+    assert (optimizer.lr_schedule, optimizer.warmup_ratio, optimizer.min_lr_ratio, actor.total_steps) == \
+        ("cosine", 0.1, 0.2, 40)
+    epochs = validate_spec({**raw, "trainer": {"epochs": 0.25}})  # 4096 prompts, 16 a step
+    assert trainer_context(epochs, "actor", "/m").total_steps == 64

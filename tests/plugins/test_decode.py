@@ -105,3 +105,39 @@ def test_an_empty_prompt_is_refused(rollout_model):
 def rollout_model(make_spec, tiny_model_path):
     rollout = _rollout(make_spec(), tiny_model_path)
     return rollout.model, rollout.stop_token_ids, rollout.pad_token_id
+
+
+def test_a_grammar_constrains_the_lean_loop_and_generate_alike(make_spec, tiny_model_path):
+    """A token prompt's grammar (``relax.agents.constraints``): greedy decoding under it picks the
+    same tokens with the same (masked) log-probs on the lean loop and in ``generate``'s logits
+    processor, and sampled rows all follow it; a free row in the same batch is left alone."""
+    import json
+
+    import jsonschema
+
+    from relax.agents.constraints import Choice, grammar
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    outputs = {}
+    for temperature in (0.0, 1.0):
+        spec = make_spec({"roles.rollout.sampling.temperature": temperature,
+                          "roles.rollout.sampling.max_new_tokens": 40})
+        lean = _rollout(spec, tiny_model_path)
+        stock = _rollout(spec, tiny_model_path)
+        stock.lean = False
+        text = grammar(Choice(), schema, [], "hermes", "hf", lean.tokenizer)
+        prompts = [TokenPrompt(ids=lean.encode_prompt(p), grammar=text) for p in PROMPTS] + \
+            [TokenPrompt(ids=lean.encode_prompt(PROMPTS[0]))]
+        sampling = spec.roles.rollout.sampling
+        outputs[temperature] = [r.generate_tokens(prompts, sampling, seed=1) for r in (lean, stock)]
+    (ours, theirs), sampled = outputs[0.0], outputs[1.0]
+    for a, b in zip(ours, theirs):
+        assert a.response_ids == b.response_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    for generations in (ours, theirs, *sampled):
+        for g in generations[:-1]:
+            assert g.finished
+            jsonschema.validate(json.loads(g.text), schema)
+    free = [generations[-1].text for generations in sampled]
+    assert not all(t.startswith("{") for t in free)  # the unconstrained row was not held to JSON

@@ -1,5 +1,5 @@
 """The calculator environment, the products data set, and the tiny model built for them
-(``relax/presets/tiny-agent-cpu.yaml``): its chat template, its token layout and its warm-up."""
+(``presets/tiny-agent-cpu.yaml``): its chat template, its token layout and its warm-up."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def agent_model() -> Path:
     assert options["task"] == "calculator"
     model = TinyLM(TinyLM.Config(**options))
     # The runtime's cache: a run of the preset (tests/runtime/test_agent_run.py) finds it built.
-    from relax.runtime.components import cache_dir
+    from relax.runtime.model_files import cache_dir
 
     return Path(model.materialize(cache_dir()))
 

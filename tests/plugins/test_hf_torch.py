@@ -327,7 +327,7 @@ def test_a_colocated_rollout_generates_with_the_trainers_own_model(make_spec, sp
     """Colocate (``share_policy_model``): the rollout takes the trainer's model instead of its own
     copy. After a train step, publishing moves only the version, and the rollout's samples are
     those of a rollout loaded with the trained weights (same tokens, same log-probs)."""
-    from relax.runtime.weight_channels import InProcessWeights, share_policy_model
+    from relax.runtime.worker.weight_channels import InProcessWeights, share_policy_model
 
     trainer, sharing, copy = _trainer(spec, tiny_model_path), _rollout(spec, tiny_model_path), _rollout(spec, tiny_model_path)
     channel = InProcessWeights()
@@ -351,7 +351,7 @@ def test_a_colocated_rollout_generates_with_the_trainers_own_model(make_spec, sp
 
 
 def test_a_model_of_another_kind_or_dtype_is_not_shared(make_spec, spec, tiny_model_path):
-    from relax.runtime.weight_channels import InProcessWeights, share_policy_model
+    from relax.runtime.worker.weight_channels import InProcessWeights, share_policy_model
 
     critic_spec = make_spec({"algorithm.name": "ppo", "roles.critic": {"backend": "torch"}})
     critic = _trainer(critic_spec, tiny_model_path, role="critic")

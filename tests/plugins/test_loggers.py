@@ -198,7 +198,7 @@ class _Recorder:
 def test_trackers_hand_every_row_on_and_drop_a_logger_that_fails_midway():
     import io
 
-    from relax.runtime.trackers import Trackers
+    from relax.runtime.driver.trackers import Trackers
 
     good, bad, out = _Recorder(), _Recorder(fail_at=2), io.StringIO()
     trackers = Trackers([("logging[0] ('good')", good), ("logging[1] ('bad')", bad)], stream=out)
@@ -212,7 +212,7 @@ def test_trackers_hand_every_row_on_and_drop_a_logger_that_fails_midway():
 
 
 def test_a_logger_that_cannot_start_names_its_entry(tmp_path, loggers_registered):
-    from relax.runtime.trackers import TrackerStartError, Trackers
+    from relax.runtime.driver.trackers import TrackerStartError, Trackers
     from relax.testing import tiny_spec
 
     spec, _, _ = tiny_spec(tmp_path, "bad-logger", "logging=[{name: tensorboard}, {name: mlflow, options: "
@@ -227,7 +227,7 @@ def test_a_logger_that_cannot_start_names_its_entry(tmp_path, loggers_registered
 def test_validate_checks_logger_names_and_options(tmp_path, loggers_registered):
     from relax.config import load_spec_dict
     from relax.spec import validate_spec
-    from relax.spec.errors import SpecError
+    from relax.errors import SpecError
 
     raw, base = load_spec_dict("tiny-cpu", [
         "logging=[{name: tensorbord}, {name: wandb, options: {mode: loud}}, {name: mlflow}]"])

@@ -16,7 +16,7 @@ from relax.spec import SpecError, validate_spec  # before relax.registry (import
 from relax.contracts import PluginKind
 from relax.media import BadSample, MediaError, MediaSet, loads_context
 from relax.registry import get_registry
-from relax.runtime.data import prompt_rows
+from relax.runtime.worker.data import prompt_rows
 
 KEYS = {"image": "image", "audio": "audio", "video": "video"}
 

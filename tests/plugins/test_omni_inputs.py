@@ -20,7 +20,7 @@ from relax.contracts import PluginKind
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.media import MediaError, MediaSet, dumps_context, loads_context
 from relax.registry import get_registry
-from relax.runtime.rows import rollout_columns
+from relax.runtime.worker.rows import rollout_columns
 from relax_plugins.datasets.omni import PROMPTS, encode_media, omni_problem
 from relax_plugins.processing import batch_media, encode_sample
 

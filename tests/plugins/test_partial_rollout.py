@@ -9,9 +9,10 @@ runtime's ``VersionWatch`` drives it when the actor publishes."""
 from __future__ import annotations
 
 
+from relax.algo.staleness import StalenessPolicy
 from relax.plan.contexts import rollout_context
 from relax.registry import get_registry
-from relax.runtime.partial import PartialRollouts, VersionWatch
+from relax.runtime.worker.partial import PartialRollouts, VersionWatch
 from relax.testing import teacher_forced_logprobs
 from tests.plugins.test_hf_weight_push import _perturbed_checkpoint
 
@@ -46,7 +47,7 @@ def test_a_mid_generation_update_gives_two_versions_scored_by_their_own_weights(
     pushed = _perturbed_checkpoint(tiny_model_path, tmp_path / "pushed", scale=0.05)
     backend = _rollout(spec, tiny_model_path)
     signal = SwapAt(backend, pushed, after=3)
-    partial = PartialRollouts(backend, max_staleness=1, newer=signal.newer, swap=signal.swap)
+    partial = PartialRollouts(backend, StalenessPolicy(1), newer=signal.newer, swap=signal.swap)
     prompts = [backend.encode_prompt(p) for p in PROMPTS]
     gens, stats = partial.sample(0, prompts, N, sampling, seed=5, next_prompts=None)
 
@@ -78,13 +79,13 @@ def test_the_next_steps_drafts_start_only_within_the_bound_and_are_carried_over(
     following = [backend.encode_prompt(p) for p in PROMPTS[2:]]
 
     # max_staleness 0 and no new weights: step 1 may not start under version 0.
-    still = PartialRollouts(backend, max_staleness=0, newer=lambda: False, swap=lambda: None)
+    still = PartialRollouts(backend, StalenessPolicy(0), newer=lambda: False, swap=lambda: None)
     still.sample(0, prompts, N, sampling, seed=1, next_prompts=lambda: following)
     assert still.ahead is None
 
     # Version 1 lands during step 0: step 1's drafts start then, all under version 1.
     signal = SwapAt(backend, pushed, after=2)
-    partial = PartialRollouts(backend, max_staleness=0, newer=signal.newer, swap=signal.swap)
+    partial = PartialRollouts(backend, StalenessPolicy(0), newer=signal.newer, swap=signal.swap)
     first, _ = partial.sample(0, prompts, N, sampling, seed=1, next_prompts=lambda: following)
     assert partial.ahead is not None and partial.ahead[0] == 1
     started = [d for d in partial.ahead[1] if d.response_ids]
@@ -102,7 +103,7 @@ def test_drafts_for_other_prompts_are_not_taken(make_spec, tiny_model_path):
     """A re-leased step, or one after a restart, starts afresh rather than take drafts of other prompts."""
     spec = make_spec({"roles.rollout.sampling.max_new_tokens": 8})
     backend = _rollout(spec, tiny_model_path)
-    partial = PartialRollouts(backend, max_staleness=1, newer=lambda: False, swap=lambda: None)
+    partial = PartialRollouts(backend, StalenessPolicy(1), newer=lambda: False, swap=lambda: None)
     prompts = [backend.encode_prompt(p) for p in PROMPTS[:2]]
     partial.sample(0, prompts, 2, spec.roles.rollout.sampling, seed=1,
                    next_prompts=lambda: [backend.encode_prompt("99+1=")])
@@ -146,12 +147,12 @@ def test_drafts_beyond_a_narrowed_bound_are_generated_again(make_spec, tiny_mode
     generated afresh under the weights held now (none of them was emitted, so nothing is lost)."""
     spec = make_spec({"roles.rollout.sampling.max_new_tokens": 8})
     backend = _rollout(spec, tiny_model_path)
-    partial = PartialRollouts(backend, max_staleness=1, newer=lambda: False, swap=lambda: None)
+    partial = PartialRollouts(backend, StalenessPolicy(1), newer=lambda: False, swap=lambda: None)
     prompts = [backend.encode_prompt(p) for p in PROMPTS[:2]]
     following = [backend.encode_prompt(p) for p in PROMPTS[2:]]
     partial.sample(0, prompts, 2, spec.roles.rollout.sampling, seed=1, next_prompts=lambda: following)
     assert partial.ahead is not None and any(d.response_ids for d in partial.ahead[1])
-    partial.max_staleness = 0  # step 1 now needs version 1; the drafts are of version 0
+    partial.policy = StalenessPolicy(0)  # step 1 now needs version 1; the drafts are of version 0
     backend.version = 1
     gens, stats = partial.sample(1, following, 2, spec.roles.rollout.sampling, seed=2, next_prompts=None)
     assert stats.partial_interrupted == 0 and all(set(g.token_versions) == {1} for g in gens)

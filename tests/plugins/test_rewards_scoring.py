@@ -9,7 +9,7 @@ import time
 import pytest
 
 from relax.contracts import RewardSample
-from relax.runtime.scoring import RewardEntry, RewardError, RewardScorer
+from relax.runtime.worker.scoring import RewardEntry, RewardError, RewardScorer
 
 
 def samples(n: int) -> list[RewardSample]:

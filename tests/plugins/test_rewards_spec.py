@@ -79,7 +79,7 @@ def reward_loop(overrides: dict):
 
     from relax.plan.model import RoleWiring
     from relax.plan.wiring import reward_uses, run_settings
-    from relax.runtime.roles.reward import RewardLoop
+    from relax.runtime.worker.roles.reward import RewardLoop
 
     # Shape only: the loop is handed its rows, so the data set's columns (which validation checks
     # data.reward_key against) do not matter here.
@@ -87,7 +87,7 @@ def reward_loop(overrides: dict):
     span = RecordingSpan()
     telemetry = SimpleNamespace(span=lambda *a, **k: span)
     wiring = RoleWiring(role="reward", task="reward", rewards=reward_uses(spec), reads=["prompt", "response", "label"])
-    from relax.runtime.health import Activity
+    from relax.runtime.state.health import Activity
 
     env = SimpleNamespace(settings=run_settings(spec, Path.cwd()), telemetry=telemetry, activity=Activity())
     return RewardLoop(env, wiring), span
@@ -117,7 +117,7 @@ def test_the_reward_loop_routes_rows_and_reports_each_reward():
 
 
 def test_the_reward_loop_reads_lengths_and_names_failing_samples():
-    from relax.runtime.scoring import RewardError
+    from relax.runtime.worker.scoring import RewardError
 
     loop, _ = reward_loop({"rewards": [{"name": "overlong_penalty", "options": {"buffer": 2}},
                                        {"name": "math_verify", "id": "math"}],
@@ -132,3 +132,19 @@ def test_the_reward_loop_reads_lengths_and_names_failing_samples():
         loop.score(7, columns, meta)
     columns["label"] = ["3", "4"]
     assert loop.score(7, columns, meta).tolist() == pytest.approx([0.5, -1.0])
+
+
+def test_an_earlier_segment_is_not_scored_and_gets_its_trajectory_s_reward():
+    """A trajectory of two segments is two rows: the earlier one (``agent.linked``) takes the reward of
+    the last one's row (its own text is not scored), and the figures count each trajectory once."""
+    loop, _ = reward_loop({"rewards": [{"name": "exact_match"}],
+                           "roles": {"rollout": {"agent": {"environment": "calculator", "turn_reward_weight": 0.5}}}})
+    columns = {"prompt": ["2*21", "2*21", "3+4"], "response": ["wrong", "42", "8"], "label": ["42", "42", "7"]}
+    meta = [{"sample_id": "0:0:0", "group": 0, "sample": 0, "segment": 0, "agent": {"outcome": "ok", "linked": True}},
+            {"sample_id": "0:0:0", "group": 0, "sample": 0, "segment": 1,
+             "agent": {"outcome": "ok", "turn_reward": 1.0, "segments": 2}},
+            {"sample_id": "0:1:0", "group": 1, "sample": 0, "agent": {"outcome": "ok"}}]
+    total = loop.score(0, columns, meta)
+    assert total.tolist() == [1.5, 1.5, 0.0]  # exact match 1 + 0.5 x the turn reward, on both segments' rows
+    assert loop._stats[0]["reward_mean"] == 0.75  # over the two trajectories
+    assert loop._stats[0]["rewards"]["exact_match/count"] == 2

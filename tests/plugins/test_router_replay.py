@@ -11,7 +11,7 @@ from relax.algo.batch import TrainBatch, collate
 from relax.plan.contexts import algorithm_context, rollout_context, trainer_context
 from relax.registry import get_registry
 from relax.roles import Column
-from relax.runtime.rows import relayout, rollout_columns
+from relax.runtime.worker.rows import relayout, rollout_columns
 from relax_plugins.moe_routing import recorded_routing, replayed_routing, routers
 
 PROMPTS = ["3+4=", "12+7=", "5=", "9+9+1="]

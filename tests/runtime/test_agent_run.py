@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax import testing
+from tests.runtime.test_samples_run import check_health_figures
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -62,18 +63,56 @@ def test_an_environment_that_raises_or_hangs_ends_only_its_trajectories(local_ra
     # flaky_calculator: sample 1 of each prompt raises in its first step, sample 2 hangs past the
     # tool timeout. Those trajectories end with an error and keep their place with a zero loss mask;
     # the others go on as usual, and the run goes on, each row counted once.
-    code, rows, _ = run(tmp_path, "flaky", "trainer.steps=3", "roles.rollout.agent.environment=flaky_calculator",
-                        "roles.rollout.agent.tool_timeout_s=1")
+    code, rows, printed = run(tmp_path, "flaky", "trainer.steps=3", "roles.rollout.agent.environment=flaky_calculator",
+                              "roles.rollout.agent.tool_timeout_s=1", "roles.rollout.agent.regenerate_failed=1",
+                              "trainer.log_samples_every=1",
+                              "trainer.log_samples=16")
     assert code == 0, rows
     assert len(rows) == 3
+    check_health_figures(rows)
+    assert "HINT" not in printed  # most trajectories end: no truncation hint
+    # The samples of an agentic run say how each trajectory went: its turns, calls, what the
+    # environment answered, and how it ended (flaky_calculator's failures with their cause).
+    samples = [json.loads(line) for line in (tmp_path / "flaky" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 16 + [2] * 16 + [3] * 16
+    for sample in samples:
+        assert {"turns", "tool_calls", "calls", "observations", "outcome"} <= set(sample)
+        assert sample["outcome"] in ("ok", "truncated", "tool_error", "infra", "env_timeout")
+        assert ("error" in sample) == (sample["outcome"] in ("infra", "env_timeout"))
+    # sample 1 raises ConnectionError (infra), sample 2 hangs past the tool timeout (env_timeout)
+    assert {"infra", "env_timeout"} <= {s["outcome"] for s in samples}, samples
+    assert any(s["outcome"] == "infra" and "flaky" in s["error"] for s in samples), samples
+    called = [s for s in samples if s["calls"]]
+    assert called and all(c.startswith("calc(") for s in called for c in s["calls"])
+    assert all(s["observations"] for s in called if s["outcome"] == "ok")
     for row in rows:
         # 16 prompts x (one raising + one hanging trajectory), but for those whose first turn was cut
         # at its budget (truncated: they never reach step)
         assert 24 <= row["agent/failed"] <= 32 and row["agent/tool_errors"] >= row["agent/failed"]
         assert row["samples/consumed"] == 128 * row["step"] and row["samples/regenerated"] == 0
+        # each failed trajectory was run once more (regenerate_failed=1) and failed again: the flaky
+        # environment fails the same samples every time
+        assert 24 <= row["agent/regenerated"] <= 32
         assert row["train/tokens"] > 0
         # the hanging calls were given up at their 1 s limit, together: the step did not wait 16 x 30 s
         assert row["time/rollout_s"] < 15
+
+
+def test_trajectories_that_only_truncate_get_one_hint_naming_the_budget(local_ray, tmp_path: Path) -> None:
+    # One token per model turn: no turn ever ends, so every trajectory is truncated at its first.
+    code, rows, printed = run(tmp_path, "cut", "trainer.steps=2", "roles.rollout.agent.max_new_tokens=1",
+                              "trainer.log_samples_every=1")
+    assert code == 0, rows
+    assert [r["agent/truncated_frac"] for r in rows] == [1.0, 1.0]
+    assert [r["response_length/clip_frac"] for r in rows] == [1.0, 1.0]
+    check_health_figures(rows)
+    hints = [line for line in printed.splitlines() if "HINT" in line]
+    assert len(hints) == 1, printed  # once, not every step
+    assert hints[0].startswith("[relax] step 1: HINT: 100% of the trajectories of step 1 ended truncated")
+    assert "roles.rollout.agent.max_new_tokens=1" in hints[0]
+    samples = [json.loads(line) for line in (tmp_path / "cut" / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 2} and all(s["outcome"] == "truncated" for s in samples)
+    assert all(s["turns"] == 1 and s["response_tokens"] == 1 for s in samples)
 
 
 def test_an_agent_program_drives_the_policy_through_the_gateway(local_ray, tmp_path: Path) -> None:
@@ -86,6 +125,7 @@ def test_an_agent_program_drives_the_policy_through_the_gateway(local_ray, tmp_p
     for row in rows:
         assert row["agent/failed"] == 0 and row["train/tokens"] > 0
         assert row["samples/consumed"] == 128 * row["step"]
+        assert row["agent/segments_mean"] == 1.0  # the program extends its conversation: no branch
     # the model called the calculator in some trajectories (a quarter of the time at first) and
     # answered right after it, as with the environment
     assert max(r["agent/turns_mean"] for r in rows) > 1.1

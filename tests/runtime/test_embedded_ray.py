@@ -5,13 +5,17 @@ environment (and Ray's classes) are left as they were."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from relax.environment import temporarily_set
-from relax.runtime import launch
+from relax.runtime.driver import launch
 
 
 def test_environment_is_set_inside_the_block_and_restored_after(monkeypatch) -> None:
@@ -28,7 +32,7 @@ def test_an_embedded_ray_s_workers_run_at_the_driver_s_priority_without_task_eve
         import psutil
         import ray
         from ray._private.node import Node
-        from relax.runtime.launch import EMBEDDED_RAY_ENV, _init_ray
+        from relax.runtime.driver.launch import EMBEDDED_RAY_ENV, _init_ray
         from relax.testing import tiny_spec
 
         methods = (Node.start_api_server, Node.start_monitor)
@@ -59,7 +63,7 @@ def test_a_worker_niceness_the_user_set_is_kept(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import os
         import ray
-        from relax.runtime.launch import _init_ray
+        from relax.runtime.driver.launch import _init_ray
         from relax.testing import tiny_spec
 
         spec, _, _ = tiny_spec({str(tmp_path)!r}, "nice")
@@ -82,3 +86,31 @@ def test_an_embedded_ray_offers_gpus_only_to_a_spec_that_asks_for_them(tmp_path:
     gpu, _, _ = tiny_spec(tmp_path, "gpu", "cluster.gpus_per_node=1", "roles.actor.gpus=1")
     assert launch.embedded_ray_gpus(cpu) == 0  # a CPU run leaves a GPU machine's GPUs alone
     assert launch.embedded_ray_gpus(gpu) is None  # Ray counts this machine's own
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch Ray's own processes")
+def test_no_process_of_an_embedded_ray_addresses_another_machine(tmp_path: Path) -> None:
+    """Ray's runtime-env agent asked for a route to 8.8.8.8 (a UDP ``connect``) to learn its node's
+    address until ``EMBEDDED_RAY_ENV`` told Ray it runs on one machine. strace sees every process
+    of the run; the in-process network guard sees only the test's own."""
+    script = textwrap.dedent(f"""
+        import ray
+        from relax.runtime.driver.launch import _init_ray
+        from relax.testing import tiny_spec
+
+        spec, _, _ = tiny_spec({str(tmp_path)!r}, "routes")
+        assert _init_ray(spec), "an embedded Ray was expected"
+        try:
+            print("answer", ray.get(ray.remote(lambda: 1).remote()))
+        finally:
+            ray.shutdown()
+    """)
+    trace = tmp_path / "trace.txt"
+    env = {k: v for k, v in os.environ.items() if k not in launch.EMBEDDED_RAY_ENV}
+    done = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(trace),
+                           sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0 and "answer 1" in done.stdout, done.stderr[-2000:]
+    text = trace.read_text()
+    addresses = set(re.findall(r'inet_addr\("([0-9.]+)"\)', text)) | set(re.findall(r'inet_pton\(AF_INET6, "([^"]+)"', text))
+    assert "127.0.0.1" in addresses, "strace saw none of Ray's own loopback connections: this test checks nothing"
+    assert addresses <= {"127.0.0.1", "0.0.0.0", "::1", "::", "::ffff:127.0.0.1"}, sorted(addresses)

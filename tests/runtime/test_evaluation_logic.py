@@ -1,4 +1,4 @@
-"""The held-out evaluation's figures and schedule (``relax.runtime.evaluation``), without a run:
+"""The held-out evaluation's figures and schedule (``relax.runtime.worker.evaluation``), without a run:
 pass@k against hand-counted values, and which policy versions a rollout evaluates."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax.runtime.evaluation import Evaluator, eval_metrics, evaluations_for_row, k_values, pass_at_k
+from relax.runtime.metrics import evaluations_for_row
+from relax.runtime.worker.evaluation import Evaluator, eval_metrics, k_values, pass_at_k
 from relax.spec.models import EvalSpec
 
 
@@ -100,7 +101,7 @@ class _Backend:
 def test_the_evaluation_worker_evaluates_each_due_version_through_the_final_one(every, lag, before, expected):
     from contextlib import nullcontext
 
-    from relax.runtime.roles.evaluation import EvaluationLoop
+    from relax.runtime.worker.roles.evaluation import EvaluationLoop
 
     posted = []
     loop = EvaluationLoop.__new__(EvaluationLoop)  # its plugins are pure stand-ins here
@@ -122,7 +123,7 @@ def test_a_resumed_run_does_not_evaluate_again_what_its_kept_rows_evaluated(tmp_
     import json
 
     from relax.runtime.metrics import MetricsLog
-    from relax.runtime.run_state import RunState
+    from relax.runtime.state.run_state import RunState
 
     lines = [{"step": 1, "eval/version": 0.0}, {"step": 5, "eval/version": 4.0}, {"step": 9, "eval/version": 8.0}]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

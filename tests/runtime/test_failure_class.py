@@ -9,7 +9,7 @@ import pytest
 
 from relax.contracts import TransientError
 from relax.runtime.failure_class import repeats_on_retry
-from relax.runtime.workers import role_failure
+from relax.runtime.worker.workers import role_failure
 
 
 def caught(raise_it) -> BaseException:

@@ -47,6 +47,11 @@ def fault_spans(run: LiveRun) -> list[dict]:
     return [s for s in read_spans(run.run_dir / "traces.jsonl") if s["name"] == "relax.fault"]
 
 
+def span_restarts(run: LiveRun) -> list[int]:
+    """The ``relax.restarts`` total of each ``relax.fault`` span, in order."""
+    return [span["attributes"]["relax.restarts"] for span in fault_spans(run)]
+
+
 def restarted_once_in_place(run: LiveRun, reference: list[dict]) -> dict:
     """The run ended well, trained exactly the reference's samples, and restarted a rollout worker
     once: that restart's ``relax.fault`` span."""
@@ -55,6 +60,8 @@ def restarted_once_in_place(run: LiveRun, reference: list[dict]) -> dict:
     same_data(rows, reference)
     exactly_once(rows[-1])
     assert rows[-1]["faults/rollout/restarts"] == 1
+    # one kill of a worker holding rollout, reward and advantage is one recovery, not three
+    assert rows[-1]["faults/restarts"] == 1 and span_restarts(run) == [1]
     [span] = fault_spans(run)
     assert span["attributes"]["relax.action"] == "restart"
     return span
@@ -101,6 +108,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_the_same_data(tmp_pat
     rows = run.rows()
     same_data(rows, reference)
     assert rows[-1]["faults/actor/restarts"] == 1
+    assert rows[-1]["faults/restarts"] == 1  # one kill, one recovery, whatever roles the worker held
     # The counters restart with the resumed attempt: what it produced, it trained.
     assert rows[-1]["samples/produced"] == rows[-1]["samples/consumed"] > 0
     assert "resuming from step" in run.output()

@@ -18,7 +18,7 @@ import ray
 from relax.config import load_spec_dict
 from relax.contracts import RewardSample
 from relax.plan import make_plan
-from relax.runtime.launch import run_spec
+from relax.runtime.driver.launch import run_spec
 from relax.spec import validate_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -61,7 +61,7 @@ def test_a_run_scored_by_a_judge_agrees_with_exact_match(tmp_path: Path) -> None
 
 def test_the_judge_is_right_about_most_single_answers() -> None:
     from relax.registry import get_registry
-    from relax.runtime.components import build_reward
+    from relax.runtime.worker.components import build_reward
     from relax_plugins.datasets.arithmetic import arithmetic_problem
 
     registry = get_registry()

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import torch
 
-from relax.runtime.health import hung_workers
-from relax.runtime.ledger import RolloutLedger
-from relax.runtime.records import Beat
-from relax.runtime.role_env import accepted_rows
-from relax.runtime.rows import relayout, restack
-from relax.runtime.supervision import waits_text
+from relax.runtime.state.health import hung_workers
+from relax.runtime.state.ledger import RolloutLedger
+from relax.runtime.state.records import Beat
+from relax.runtime.worker.role_env import accepted_rows
+from relax.runtime.worker.rows import relayout, restack
+from relax.runtime.driver.supervisor import waits_text
 
 
 def test_units_are_leased_in_order_within_the_staleness_admission() -> None:
@@ -39,6 +39,25 @@ def test_a_failed_replica_s_units_are_regenerated_and_its_late_acknowledgement_r
     assert ledger.step_done(0) and ledger.retried(0)
     assert ledger.accepted(0) == {0: 2, 1: 1}
     assert ledger.counters.produced == 8 and ledger.counters.by_holder == {"alive": 8}
+
+
+def test_a_step_s_rows_are_what_its_acknowledged_attempts_put() -> None:
+    """A sample may be several rows (a trajectory of several segments): readers take the rows the
+    acknowledged attempts reported (``rollout_samples``), not prompts x samples; a revoked
+    attempt's report does not count, the samples produced stay samples."""
+    ledger = RolloutLedger(steps=1, prompts_per_step=4, samples_per_prompt=2, unit_prompts=2)
+    first, second = ledger.lease("a", max_step=0), ledger.lease("b", max_step=0)
+    assert ledger.complete("a", 0, first["unit"], first["attempt"], {"rollout_samples": 6})  # two branched
+    assert ledger.rows(0) == 6
+    ledger.release("b")
+    assert not ledger.complete("b", 0, second["unit"], second["attempt"], {"rollout_samples": 9})
+    again = ledger.lease("a", max_step=0)
+    assert ledger.complete("a", 0, again["unit"], again["attempt"], {"rollout_samples": 4})
+    assert ledger.rows(0) == 10 and ledger.counters.produced == 8
+    plain = RolloutLedger(steps=1, prompts_per_step=2, samples_per_prompt=3, unit_prompts=2)
+    unit = plain.lease("a", max_step=0)
+    plain.complete("a", 0, unit["unit"], unit["attempt"], {})  # no report: one row per sample
+    assert plain.rows(0) == 6
 
 
 def test_orphan_rows_are_skipped_and_counted_once_per_attempt() -> None:
@@ -92,8 +111,8 @@ def test_ragged_rows_of_several_units_are_laid_out_like_one_dense_batch() -> Non
 def test_a_restarted_rollout_picks_up_at_its_first_unacknowledged_step() -> None:
     """A rollout that acknowledges in the background may report step 3 and die before its ack
     lands: it must make step 3 again, not step 4 (the actor would wait for step 3 forever)."""
-    from relax.runtime.records import StepReport
-    from relax.runtime.run_state import RunState
+    from relax.runtime.state.records import StepReport
+    from relax.runtime.state.run_state import RunState
 
     ledger = RolloutLedger(steps=10, prompts_per_step=4, samples_per_prompt=2, unit_prompts=4)
     state = RunState(ledger)

@@ -43,11 +43,12 @@ def test_a_step_on_the_bus_holds_references_and_trains_on_the_same_inputs(tmp_pa
     from relax.media import MediaSet, loads_context
     from relax.registry import get_registry
     from relax.plan.contexts import rollout_context, trainer_context
-    from relax.runtime.components import build_dataset, build_loss, materialize_model
-    from relax.runtime.data import prompt_rows
+    from relax.runtime.model_files import materialize_model
+    from relax.runtime.worker.components import build_dataset, build_loss
+    from relax.runtime.worker.data import prompt_rows
     from relax.algo.batch import TrainBatch
     from relax.roles import TRAIN_COLUMNS
-    from relax.runtime.rows import media_columns, rollout_columns
+    from relax.runtime.worker.rows import media_columns, rollout_columns
 
     spec, _, base = tiny_spec(tmp_path, "omni-bus", "algorithm.prompts_per_step=3", "algorithm.samples_per_prompt=2",
                               f"data.train.options.media_dir={tmp_path / 'media'}", preset="tiny-omni-cpu")

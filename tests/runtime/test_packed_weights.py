@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from relax.runtime.weight_channels import ObjectStoreWeights, PackedWeights, unpacked
+from relax.runtime.worker.weight_channels import ObjectStoreWeights, PackedWeights, unpacked
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -71,10 +71,10 @@ def test_packed_weights_survive_the_object_store(local_ray) -> None:
 def test_versions_published_in_the_background_reach_run_state_in_order(local_ray) -> None:
     """The actor's side publishes in a background thread: every version lands, in order, the newest
     last, and ``settle`` returns once it has."""
-    from relax.runtime.run_state import RunState
+    from relax.runtime.state.run_state import RunState
 
-    from relax.runtime.ledger import RolloutLedger
-    from relax.runtime.records import StepReport
+    from relax.runtime.state.ledger import RolloutLedger
+    from relax.runtime.state.records import StepReport
 
     ledger = RolloutLedger(steps=6, prompts_per_step=2, samples_per_prompt=2, unit_prompts=2)
     state = ray.remote(RunState).options(num_cpus=0, max_concurrency=8).remote(ledger)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from relax.config import load_spec_dict
 from relax.plan import make_plan
-from relax.runtime.placement import cluster_nodes, create_placement, verify_gpu_ids
+from relax.runtime.driver.placement import cluster_nodes, create_placement, verify_gpu_ids
 from relax.spec import validate_spec
 
 
@@ -35,14 +33,9 @@ def two_nodes():
     cluster.shutdown()
 
 
-#: The two-node omni layout (examples/: no built-in trainer holds its model, so no memory check).
-OMNI_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-omni-30b-a3b.yaml"
-
-
 def plan_for(preset: str, *overrides: str):
-    omni = preset == "qwen3-omni-30b-a3b"
-    raw, base = load_spec_dict(str(OMNI_EXAMPLE) if omni else preset, list(overrides))
-    return make_plan(validate_spec(raw, base_dir=base), base_dir=base, check_memory=not omni)
+    raw, base = load_spec_dict(preset, list(overrides))
+    return make_plan(validate_spec(raw, base_dir=base), base_dir=base)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-omni-30b-a3b", "qwen3-4b-grpo-colocate"])

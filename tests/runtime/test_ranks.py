@@ -14,9 +14,11 @@ import ray
 import torch
 
 from relax import testing
-from relax.runtime.components import build_trainer, materialize_model
+from relax.runtime.model_files import materialize_model
+from relax.runtime.worker.components import build_trainer
 from relax.plan.wiring import loss_use, trainer_use
-from relax.runtime.ranks import RankedTrainer, RankPlacement
+from relax.runtime.worker.ranks import RankedTrainer
+from relax.runtime.worker_launch import RankPlacement
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -1,4 +1,4 @@
-"""Ending the processes an embedded Ray leaves behind (``relax.runtime.ray_sessions``), with real
+"""Ending the processes an embedded Ray leaves behind (``relax.runtime.driver.ray_sessions``), with real
 processes: a child that ignores SIGTERM stands for a Ray worker hung in its own exit handler."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from relax.runtime.ray_sessions import end_processes, own_processes
+from relax.runtime.driver.ray_sessions import end_processes, own_processes
 
 #: A process that ignores SIGTERM and sleeps: only SIGKILL ends it.
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relax import testing
-from relax.runtime.launch import run_spec
+from relax.runtime.driver.launch import run_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -122,7 +122,7 @@ def test_resume_needs_a_checkpoint(tmp_path: Path, capsys) -> None:
 
 
 def test_a_fresh_run_keeps_the_earlier_run_in_its_folder(tmp_path: Path) -> None:
-    from relax.runtime.launch import RUN_MARKER, keep_previous_run
+    from relax.runtime.driver.launch import RUN_MARKER, keep_previous_run
 
     folder = tmp_path / "run"
     assert keep_previous_run(folder) is None

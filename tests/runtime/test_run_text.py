@@ -11,7 +11,7 @@ import pytest
 from relax.config import load_spec_dict
 from relax.plan import make_plan
 from relax.runtime.metrics import Progress, StepPace, format_duration
-from relax.runtime.run_text import banner, model_phase, summary, worker_lines
+from relax.runtime.driver.run_text import banner, model_phase, summary, worker_lines
 from relax.spec import validate_spec
 
 
@@ -197,8 +197,10 @@ def test_the_banner_of_a_separate_cpu_run_on_too_few_cores_points_to_colocate(tm
     monkeypatch.setattr(wiring, "available_cores", lambda: 2)
     spec, plan = spec_and_plan("tiny-cpu")
     note = banner(spec, plan, tmp_path).splitlines()[-1]
-    assert note.startswith("  note     2 model processes share this machine's 2 cores") and "colocate" in note
-    assert plan.cores_note is not None and plan.cores_note in plan.notes
+    assert note.startswith("  note     2 model processes share this machine's 2 cores")
+    assert note.endswith("run it with placement.mode=colocate async_policy.max_staleness=0")
+    assert plan.cores_note is not None and plan.cores_note.text in plan.notes
+    assert plan.cores_note.fix == ["placement.mode=colocate", "async_policy.max_staleness=0"]
     monkeypatch.setattr(wiring, "available_cores", lambda: 8)
     spec, plan = spec_and_plan("tiny-cpu")  # planned on a machine of 8 cores
     assert plan.cores_note is None and "note" not in banner(spec, plan, tmp_path)

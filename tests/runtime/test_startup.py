@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from relax.runtime.controller import bus_fits_beside
+from relax.runtime.driver.controller import bus_fits_beside
 from relax.runtime.startup import PARTS, PHASES, InBackground, StartupClock
 
 

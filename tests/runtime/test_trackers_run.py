@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 def test_a_logger_that_cannot_start_fails_the_run_before_any_worker(tmp_path, loggers_registered, capsys):
-    from relax.runtime.launch import run_spec
+    from relax.runtime.driver.launch import run_spec
     from relax.testing import local_ray, tiny_spec
 
     spec, plan, base = tiny_spec(tmp_path, "bad", "logging=[{name: tensorboard}, "

@@ -43,3 +43,13 @@ def test_qwen3_30b_a3b_total_and_active_params():
 def test_card_lookup_is_case_insensitive_and_unknown_ids_give_none():
     assert load_card("qwen/qwen3-4b").num_attention_heads == 32
     assert load_card("Nobody/NoModel") is None
+
+
+def test_qwen2_5_7b_total_params():
+    L, h, H, K, d, I, V = 28, 3584, 28, 4, 128, 18944, 152064
+    attention = h * H * d + 2 * h * K * d + H * d * h  # 29,360,128
+    per_layer = attention + 3 * h * I + 2 * h  # 233,053,184 (q/k/v biases left out: 0.4M)
+    expected = L * per_layer + 2 * V * h + h  # untied: 7,615,487,488
+    card = load_card("Qwen/Qwen2.5-7B-Instruct")
+    assert card.params_total() == expected
+    assert card.params_total() == pytest.approx(7.61e9, rel=0.005)  # the model card's 7.61B

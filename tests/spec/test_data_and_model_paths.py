@@ -100,7 +100,7 @@ def test_a_relative_data_path_is_taken_from_the_specs_folder(tmp_path, monkeypat
 
 
 def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path):
-    from relax.runtime.components import materialize_path
+    from relax.runtime.model_files import materialize_path
 
     built = Path(materialize_path("builtin:tiny-lm", {}, tmp_path))
     model = tmp_path / "model"

@@ -1,4 +1,4 @@
-"""A shape error in one section does not hide plugin problems in the others."""
+"""A shape error in one field does not hide plugin problems in the others, in its section or another."""
 
 from __future__ import annotations
 
@@ -20,9 +20,15 @@ def test_a_typo_and_a_wrong_plugin_option_are_reported_together() -> None:
         "roles.actor.paralel", "rewards[0].options.nope"}
 
 
-def test_plugins_of_a_broken_section_are_not_second_guessed() -> None:
-    # roles is broken, so its backends are not checked against defaults that are not the user's.
-    assert paths_of("roles.actor.paralel.tp=2", "roles.rollout.backend=nope") == {"roles.actor.paralel"}
+def test_plugins_of_a_section_with_a_broken_field_are_still_checked() -> None:
+    # roles.actor has an unknown key; the rollout's backend, a sound field of the same section, is judged
+    assert paths_of("roles.actor.paralel.tp=2", "roles.rollout.backend=nope") == {"roles.actor.paralel",
+                                                                                "roles.rollout.backend"}
+
+
+def test_a_broken_plugin_name_is_its_shape_error_alone() -> None:
+    assert paths_of("roles.rollout.backend=[hf]", "rewards.0.name=exact_macth") == {"roles.rollout.backend",
+                                                                                  "rewards[0].name"}
 
 
 def test_a_missing_data_file_is_reported_beside_a_shape_error() -> None:

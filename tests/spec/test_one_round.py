@@ -1,6 +1,7 @@
 """One validation round reports every problem: shape, plugin names and options, cross-field rules
-and data columns together; rules reading a broken section are skipped; the checks ``relax run``
-makes before it starts (today's runtime, this machine's GPUs) are rules too."""
+and data columns together; a rule reading a broken field is skipped (tests/spec/test_field_by_field.py
+has more); the checks ``relax run`` makes before it starts (today's runtime, this machine's GPUs)
+are rules too, the machine's a note in a plain ``relax validate``."""
 
 from __future__ import annotations
 
@@ -49,15 +50,18 @@ def test_a_shape_error_does_not_hide_an_unknown_algorithm():
     assert {i.path for i in exc.value.issues} == {"seed", "algorithm.name"}
 
 
-# --- rules reading broken sections are skipped -----------------------------------------------------
+# --- rules reading broken fields are skipped -------------------------------------------------------
 
 
-def test_a_rule_reading_a_broken_section_is_skipped(check, cpu_spec):
-    # kl_coef without a reference is check_algorithm's (it reads algorithm and roles): with roles
-    # broken it would judge the default roles, so it is skipped; the shape error alone is reported.
+def test_a_rule_reading_a_broken_field_is_skipped(check, cpu_spec):
+    # kl_coef without a reference is check_algorithm's: a broken actor is no reason to skip it ...
     cpu_spec["algorithm"]["kl_coef"] = 0.1
     cpu_spec["roles"]["actor"]["gpus"] = -1
-    assert set(check(cpu_spec)) == {"roles.actor.gpus"}
+    assert set(check(cpu_spec)) == {"roles.actor.gpus", "algorithm.kl_coef"}
+    # ... but a broken reference is: with its default (none) the rule would judge what is not there
+    cpu_spec["roles"]["actor"]["gpus"] = 0
+    cpu_spec["roles"]["reference"] = {"backend": "test_trainer", "gpus": -1}
+    assert set(check(cpu_spec)) == {"roles.reference.gpus"}
 
 
 def test_a_rule_reading_sound_sections_reports_beside_a_shape_error(check, cpu_spec):
@@ -67,7 +71,7 @@ def test_a_rule_reading_sound_sections_reports_beside_a_shape_error(check, cpu_s
 
 
 def test_rules_declare_only_spec_sections():
-    for each in (*RULES, *RUNTIME_RULES, machine.check_machine):
+    for each in (*RULES, *RUNTIME_RULES, *machine.MACHINE_RULES):
         assert isinstance(each, Rule) and each.reads, each
     with pytest.raises(ValueError, match="not RunSpec sections"):
         rule("rolez")(lambda spec, ctx: ())
@@ -78,12 +82,18 @@ def test_rules_declare_only_spec_sections():
 
 @pytest.fixture
 def check_runnable(testkit_registry, tmp_path, monkeypatch):
-    """Issues by path of ``validate_spec(..., runnable=True)`` on a machine with 8 GPUs."""
+    """Issues by path of ``validate_spec(..., runnable=True)`` on a machine with 8 GPUs (``here``:
+    judging this machine too, as ``relax run`` and ``relax validate --here`` do), whose Hugging Face
+    cache holds the spec's model."""
     monkeypatch.setattr(machine, "local_gpu_count", lambda: 8)
+    held = tmp_path / "snapshot"
+    held.mkdir()
+    (held / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(machine, "cached_snapshot", lambda path: held)
 
-    def run(raw: dict) -> dict:
+    def run(raw: dict, here: bool = True) -> dict:
         try:
-            validate_spec(raw, base_dir=tmp_path, registry=testkit_registry, runnable=True)
+            validate_spec(raw, base_dir=tmp_path, registry=testkit_registry, runnable=True, here=here)
         except SpecError as exc:
             return {i.path: i for i in exc.issues}
         return {}
@@ -133,8 +143,26 @@ def test_an_embedded_gpu_run_needs_the_gpus_here(check_runnable, gpu_spec, monke
     assert "asks for 6 GPUs on this machine" in issues["cluster.address"].message
     assert "which has 2" in issues["cluster.address"].message
     assert "set cluster.address" in issues["cluster.address"].remedy
+    assert check_runnable(gpu_spec, here=False) == {}  # relax validate: the spec is sound
     gpu_spec["cluster"]["address"] = "ray://head:10001"  # a cluster elsewhere: not this machine's business
     assert check_runnable(gpu_spec) == {}
+
+
+def test_machine_notes_name_what_this_machine_lacks(gpu_spec, testkit_registry, tmp_path, monkeypatch):
+    from relax.spec.validate import machine_notes
+
+    spec = validate_spec(gpu_spec, base_dir=tmp_path, registry=testkit_registry, runnable=True, here=False)
+    monkeypatch.setattr(machine, "local_gpu_count", lambda: 2)
+    monkeypatch.setattr(machine, "cached_snapshot", lambda path: None)  # an empty Hugging Face cache
+    notes = machine_notes(spec, registry=testkit_registry)
+    assert [n.path for n in notes] == ["cluster.address", "model.path"] and "which has 2" in notes[0].message
+    assert "not in this machine's Hugging Face cache" in notes[1].message
+    monkeypatch.setattr(machine, "local_gpu_count", lambda: 6)
+    held = tmp_path / "snapshot"
+    held.mkdir()
+    (held / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(machine, "cached_snapshot", lambda path: held)
+    assert machine_notes(spec, registry=testkit_registry) == []
 
 
 def test_the_machine_check_is_not_part_of_a_plain_validation(check, gpu_spec, monkeypatch):

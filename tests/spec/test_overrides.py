@@ -128,3 +128,27 @@ def test_an_override_naming_another_plugin_drops_the_old_plugins_options(tmp_pat
     assert raw["data"]["train"]["options"] == {"limit": 1}  # arithmetic's {size: 4096} is gone
     raw, _ = load_spec_dict("tiny-cpu", ["data.train.source=synthetic:arithmetic"])
     assert raw["data"]["train"]["options"] == {"size": 4096}  # the same plugin keeps them
+
+
+def test_an_override_replacing_an_unresolvable_interpolation_never_resolves_it(tmp_path):
+    """``name=${nope} name=1``: the second override replaces the first; looking at the value it
+    replaces must not resolve it (it raised OmegaConf's InterpolationKeyError, a traceback and
+    exit 1, found by the fuzz test)."""
+    raw, _ = load_spec_dict("tiny-cpu", ["name=${nope}", "name=1"])
+    assert raw["name"] == "1"
+    raw, _ = load_spec_dict(spec_file(tmp_path, "name: a\nseed: ${nope}\n"), ["~seed=${nope}"])
+    assert "seed" not in raw
+    assert load_error(spec_file(tmp_path, "name: a\nseed: ${nope}\n"), ["~seed=3"]).issues[0].path == "seed"
+    # left in place, the interpolation is a spec error naming its key
+    assert load_error("tiny-cpu", ["name=${nope}"]).issues[0].path == "name"
+
+
+def test_the_cli_answers_an_unresolvable_interpolation_with_a_spec_error(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "relax", "validate", "tiny-cpu", "name=${nope}", "seed=${nope}"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+    assert "nope" in run.stdout + run.stderr

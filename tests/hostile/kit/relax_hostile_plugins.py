@@ -87,3 +87,19 @@ class FlakyOnce:
             marker.write_text("failed once")
             raise TransientError("flaky_once: the judge service did not answer")
         return [1.0 for _ in samples]
+
+
+class ExitsProcess:
+    """Kills its process on its first call (a native library that aborts, a plugin calling
+    ``os._exit``): nothing of its own reaches the controller, which must still name it."""
+
+    class Config(_Options):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def score(self, samples):
+        import os
+
+        os._exit(3)

@@ -1,0 +1,229 @@
+"""The agent gateway against the built-in environment: the same task, three ways, side by side.
+
+    python bench/gateway.py [--trajectories 128] [--repeats 3]
+
+Why: an agent program behind the gateway must not cost the run much over an environment plugin,
+or users keep their agents out of training (issue 42 measured 3.2x to 10x per step, with
+clients built per trajectory). On the tiny agent preset's model and task (``builtin:tiny-lm``
+trained for the calculator; ``347*58=``-style products) and the real ``hf`` rollout, one rollout
+unit of ``--trajectories`` trajectories is run, in this process, by:
+
+- **environment**: the built-in ``calculator`` environment (``EnvironmentDriver``);
+- **sync**: a plain ``def`` program with one ``openai.OpenAI`` client for the whole run
+  (``with_options(api_key=...)`` per trajectory: the pattern docs/agents.md gives);
+- **async**: an ``async def`` program with one ``openai.AsyncOpenAI`` client for the run (async
+  programs all run on the gateway's one event loop, so they can share it);
+- **sync_in_process** and **async_in_process**: the same two programs with the gateway's in-process
+  ``http_client`` / ``async_http_client`` (``relax.agents.gateway_http``): no socket.
+
+Arms alternate within each repeat (drift on a shared machine hits all alike). Printed per arm: the
+median wall seconds per unit and its range, turns per trajectory, and the most file descriptors
+and threads this process held during the unit (sampled every 10 ms), then the ratios gateway arm /
+environment (issue 42 asks for at most 1.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _calculate(arguments: str) -> str:
+    from relax_plugins.environments.tools import ToolError
+
+    try:
+        return _calculator().evaluate(json.loads(arguments)["expr"])
+    except (ToolError, KeyError, ValueError, TypeError) as exc:
+        return f"error: {exc}"
+
+
+@functools.cache
+def _calculator():
+    from relax_plugins.environments.calculator import CalculatorEnvironment
+
+    return CalculatorEnvironment(CalculatorEnvironment.Config())
+
+
+@functools.cache
+def _tools() -> tuple:
+    """The calculator's tools in OpenAI form (what the environment arm declares too)."""
+    return tuple(tool.to_openai() for tool in _calculator().tools())
+
+
+@functools.cache
+def shared_client(base_url: str, in_process: bool = False) -> openai.OpenAI:
+    """One client for the run: one connection pool, one SSL set-up (or the in-process transport)."""
+    from relax.agents.gateway_http import http_client
+
+    return openai.OpenAI(base_url=base_url, api_key="per-trajectory", max_retries=0, timeout=120,
+                         http_client=http_client(base_url) if in_process else None)
+
+
+def sync_program(task, base_url: str, api_key: str, in_process: bool = False) -> None:
+    """Ask, answer each tool call with the calculator, ask again (at most two rounds)."""
+    client = shared_client(base_url, in_process).with_options(api_key=api_key)
+    messages: list = [{"role": "user", "content": task.prompt}]
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
+    for _ in range(2):
+        message = reply.choices[0].message
+        if reply.choices[0].finish_reason != "tool_calls":
+            break
+        messages.append(message)
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": _calculate(c.function.arguments)}
+                     for c in message.tool_calls]
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
+
+
+def sync_in_process_program(task, base_url: str, api_key: str) -> None:
+    sync_program(task, base_url, api_key, in_process=True)
+
+
+@functools.cache
+def shared_async_client(base_url: str, in_process: bool = False) -> openai.AsyncOpenAI:
+    """One async client for the run: async programs all run on the gateway's one event loop."""
+    from relax.agents.gateway_http import async_http_client
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key="per-trajectory", max_retries=0, timeout=120,
+                              http_client=async_http_client(base_url) if in_process else None)
+
+
+async def async_in_process_program(task, base_url: str, api_key: str) -> None:
+    await async_program(task, base_url, api_key, in_process=True)
+
+
+async def async_program(task, base_url: str, api_key: str, in_process: bool = False) -> None:
+    """The same loop, written as an async program with one shared async client."""
+    client = shared_async_client(base_url, in_process).with_options(api_key=api_key)
+    messages: list = [{"role": "user", "content": task.prompt}]
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
+    for _ in range(2):
+        message = reply.choices[0].message
+        if reply.choices[0].finish_reason != "tool_calls":
+            break
+        messages.append(message)
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": _calculate(c.function.arguments)}
+                     for c in message.tool_calls]
+        reply = await client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
+
+
+class Held:
+    """The most file descriptors and threads this process holds while it runs (sampled)."""
+
+    def __init__(self) -> None:
+        self.fds = self.threads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.fds = max(self.fds, len(os.listdir("/proc/self/fd")))
+            self.threads = max(self.threads, threading.active_count())
+
+    def __enter__(self) -> Held:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trajectories", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process",
+                        help="the gateway arms to run, comma-separated (the environment arm always runs)")
+    args = parser.parse_args()
+
+    import torch
+
+    from relax import testing
+    from relax.agents.chat import ChatTokens
+    from relax.agents.gateway import ProgramDriver
+    from relax.agents.runner import AgentLimits, EnvironmentDriver, run_trajectories
+    from relax.contracts import AgentTask, PluginKind
+    from relax.plan.contexts import rollout_context
+    from relax.registry import get_registry
+    from relax.runtime.model_files import materialize_model
+    from relax.spec.models import AgentSpec, GatewaySpec
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).parent))  # the programs: gateway:sync_program, gateway:async_program
+    spec, _, base = testing.tiny_spec(Path(tempfile.mkdtemp(prefix="relax-gateway-bench-")), "bench",
+                                      preset="tiny-agent-cpu")
+    path = materialize_model(spec, base)
+    registry = get_registry()
+    rollout = registry.load(PluginKind.rollout, "hf")(registry.build_config(PluginKind.rollout, "hf", {}),
+                                                       rollout_context(spec, path))
+    environment = _calculator()
+    agent = spec.roles.rollout.agent
+    n = args.trajectories
+    limits = AgentLimits(max_turns=agent.max_turns, max_tokens=agent.max_tokens,
+                         max_new_tokens=agent.max_new_tokens or 16, tool_timeout_s=60, concurrency=n)
+    max_prompt = spec.data.max_prompt_tokens
+    chat = ChatTokens(rollout.tokenizer, list(environment.tools()), None, max_prompt)
+    drivers = {"environment": EnvironmentDriver(environment, "calculator", chat, limits, version=lambda: 0)}
+    gateway_arms = tuple(arm for arm in args.arms.split(",") if arm)
+    for arm in gateway_arms:
+        gateway = AgentSpec(gateway=GatewaySpec(program=f"gateway:{arm}_program"), max_turns=agent.max_turns,
+                            max_tokens=agent.max_tokens, concurrency=n)
+        drivers[arm] = ProgramDriver(gateway, rollout, limits, version=lambda: 0, max_prompt_tokens=max_prompt)
+    rng = random.Random(0)
+    tasks = [AgentTask(prompt=f"{rng.randint(100, 999)}*{rng.randint(10, 99)}=", label="", row={}, index=j,
+                       sample=0, trajectory_id=f"0:{j}:0") for j in range(n)]
+
+    def generate(prompts, seed):
+        return rollout.generate_tokens(prompts, rollout.context.sampling, seed)
+
+    for driver in drivers.values():  # warm the template, the model and the server
+        run_trajectories(tasks[:4], driver, generate, 0)
+    walls: dict[str, list[float]] = {arm: [] for arm in drivers}
+    cpus: dict[str, list[float]] = {arm: [] for arm in drivers}
+    held: dict[str, tuple[int, int]] = {arm: (0, 0) for arm in drivers}
+    turns: dict[str, float] = {}
+    failed: dict[str, int] = {}
+    batches: dict[str, float] = {}
+    for repeat in range(args.repeats):
+        for arm, driver in drivers.items():
+            with Held() as watch:
+                started, cpu = time.perf_counter(), time.process_time()
+                batch = run_trajectories(tasks, driver, generate, 1 + repeat)
+                walls[arm].append(time.perf_counter() - started)
+                cpus[arm].append(time.process_time() - cpu)
+            held[arm] = (max(held[arm][0], watch.fds), max(held[arm][1], watch.threads))
+            turns[arm] = batch.stats["agent_turns"]
+            failed[arm] = int(batch.stats["agent_failed"])
+            batches[arm] = batch.stats["agent_generate_calls"]
+    for driver in drivers.values():
+        close = getattr(driver, "close", None)
+        if close is not None:
+            close()
+    print(f"{n} trajectories a unit, {args.repeats} repeats, tiny agent preset model, hf rollout, "
+          f"{os.cpu_count()} cores")
+    for arm, values in walls.items():
+        print(f"{arm:16s} {statistics.median(values):7.2f} s/unit (range {min(values):.2f}-{max(values):.2f}), "
+              f"CPU {statistics.median(cpus[arm]):.2f} s, {turns[arm]:.2f} turns/trajectory, "
+              f"{batches[arm]:.0f} model batches, {failed[arm]} failed, at most {held[arm][0]} fds and "
+              f"{held[arm][1]} threads held")
+    env = statistics.median(walls["environment"])
+    for arm in gateway_arms:
+        print(f"ratio {arm} / environment: {statistics.median(walls[arm]) / env:.2f}  (issue 42: at most 1.5); "
+              f"CPU seconds {statistics.median(cpus[arm]) / statistics.median(cpus['environment']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
