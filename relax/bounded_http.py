@@ -49,6 +49,36 @@ MAX_PER_KEY = 8
 HANG_UP = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
+class PerKeyBound:
+    """Requests in flight per API key, at most ``limit`` each: one program cannot take every
+    handler thread (or every model slot) of a server that many programs share."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._taken: dict[str, int] = {}
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def slot(self, key: str) -> Iterator[bool]:
+        """Count one request under ``key`` while the block runs; yields False (and counts nothing)
+        when ``limit`` are in flight already."""
+        with self._guard:
+            taken = self._taken.get(key, 0)
+            granted = taken < self.limit
+            if granted:
+                self._taken[key] = taken + 1
+        try:
+            yield granted
+        finally:
+            if granted:
+                with self._guard:
+                    left = self._taken[key] - 1
+                    if left:
+                        self._taken[key] = left
+                    else:
+                        del self._taken[key]
+
+
 class BoundedHTTPServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` with a porter for silent connections and a bound on the connections
     served (see the module docstring). Subclasses may set the class attributes below and override
@@ -68,7 +98,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         super().__init__(server_address, handler, bind_and_activate)
         self._guard = threading.Lock()
         self._active = 0
-        self._per_key: dict[str, int] = {}
+        self._per_key = PerKeyBound(self.max_per_key)
         self._waiting: dict[socket.socket, tuple[Any, float]] = {}
         self._arrivals: list[tuple[socket.socket, Any]] = []
         self._selector = selectors.DefaultSelector()
@@ -183,27 +213,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     # -- per key -----------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def key_slot(self, key: str) -> Iterator[bool]:
+    def key_slot(self, key: str) -> contextlib.AbstractContextManager[bool]:
         """Count one request in flight under ``key`` while the block runs; yields False (and counts
         nothing) when ``max_per_key`` are in flight already: the handler answers 429."""
-        with self._guard:
-            taken = self._per_key.get(key, 0)
-            if taken >= self.max_per_key:
-                granted = False
-            else:
-                granted = True
-                self._per_key[key] = taken + 1
-        try:
-            yield granted
-        finally:
-            if granted:
-                with self._guard:
-                    left = self._per_key[key] - 1
-                    if left:
-                        self._per_key[key] = left
-                    else:
-                        del self._per_key[key]
+        return self._per_key.slot(key)
 
     @property
     def active(self) -> int:

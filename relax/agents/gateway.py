@@ -76,7 +76,9 @@ from relax.agents.gateway_http import (
     MAX_ACTIVE,
     MAX_BODY_BYTES,
     MAX_CALLS_PER_KEY,
+    ROUTES,
     GatewayServer,
+    Routes,
     in_process_client,
     register,
     unregister,
@@ -113,8 +115,6 @@ __all__ = ["MAX_ACTIVE", "MAX_BODY_BYTES", "MAX_CALLS_PER_KEY", "ROUTES", "Progr
            "load_program"]
 
 #: The routes a request may be posted to, and the API each speaks.
-ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages",
-                          "/v1/completions": "completions", "/v1/relax/turn_reward": "turn_reward"}
 #: The ``metadata`` key of a request through which a program reports the reward of the turn it asks for.
 TURN_REWARD_KEY = "relax.turn_reward"
 
@@ -422,6 +422,14 @@ class ProgramDriver:
     def models(self, key: str | None) -> dict[str, Any]:
         self._session(key)
         return {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "relax"}]}
+
+    def check_key(self, key: str | None) -> None:
+        """Raise the 401 ``GatewayError`` unless ``key`` names a live trajectory (checked before a body is read)."""
+        self._session(key)
+
+    def serving_routes(self) -> Routes | None:
+        server = self._server
+        return server.routes if server is not None else None
 
     def _session(self, key: str | None) -> _Session:
         with self._lock:

@@ -34,16 +34,42 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import h11
 
 from relax.agents.wire_formats import Api, Event, GatewayError, sse
-from relax.bounded_http import content_length
+from relax.bounded_http import PerKeyBound, content_length
 
-if TYPE_CHECKING:
-    from relax.agents.gateway import ProgramDriver
 
+class Served(Protocol):
+    """What the server needs of the agent side (``relax.agents.gateway.ProgramDriver`` is the one):
+    named here so that the server does not import the driver that starts it."""
+
+    base_url: str
+
+    def check_key(self, key: str | None) -> None:
+        """Raise ``GatewayError`` (401) unless ``key`` names a live trajectory."""
+
+    def models(self, key: str | None) -> dict[str, Any]:
+        """The body of ``GET /v1/models``."""
+
+    def serve(self, key: str | None, api: Api, body: Any) -> dict[str, Any] | Iterator[Event]:
+        """The answer to one model call (blocks while the model generates)."""
+
+    def dispatch(self, key: str | None, work: Callable[[], Any], reply: Callable[[Any], None]) -> None:
+        """Run ``work`` where the key's calls are served, and hand its result to ``reply``."""
+
+    def serving_routes(self) -> Routes | None:
+        """The routes of the running socket server, if one runs (in-process clients share its bound)."""
+
+    def in_process(self, sync: bool = True) -> Any:
+        """The driver's shared in-process ``httpx2`` client (``http_client``)."""
+
+
+#: The routes the gateway answers, each with the wire format it speaks.
+ROUTES: dict[str, Api] = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages",
+                          "/v1/completions": "completions", "/v1/relax/turn_reward": "turn_reward"}
 #: Largest request body read: a call carries the conversation so far as text, far less than this.
 MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Largest request line and headers (an OpenAI or Anthropic client sends well under 2 KiB).
@@ -89,12 +115,6 @@ class Answer:
             yield json.dumps(self.body).encode("utf-8")
 
 
-def routes() -> dict[str, Api]:
-    from relax.agents.gateway import ROUTES
-
-    return ROUTES
-
-
 def key_of(headers: dict[str, str]) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header (OpenAI clients) or of ``x-api-key``
     (Anthropic clients), or None. ``headers`` has lower-case names."""
@@ -114,11 +134,10 @@ class Routes:
     """The gateway's HTTP semantics, whatever carries the request (a socket, or an in-process
     transport): the key and the body's size before the body, the per-key bound, then the route."""
 
-    def __init__(self, driver: ProgramDriver, max_per_key: int = MAX_CALLS_PER_KEY) -> None:
+    def __init__(self, driver: Served, max_per_key: int = MAX_CALLS_PER_KEY) -> None:
         self.driver = driver
         self.max_per_key = max_per_key
-        self._per_key: dict[str, int] = {}
-        self._guard = threading.Lock()
+        self._per_key = PerKeyBound(max_per_key)
 
     def admit(self, method: str, path: str, headers: dict[str, str]) -> tuple[int | None, Answer | None]:
         """Before the body: the number of body bytes to read, or the answer (the connection then
@@ -129,7 +148,7 @@ class Routes:
         if method != "POST":
             return None, self.refuse(no_route(method, path), api, close=True)
         try:
-            self.driver._session(key_of(headers))
+            self.driver.check_key(key_of(headers))
             length, why = content_length(headers_cased(headers), MAX_BODY_BYTES)
             if length is None:
                 raise (GatewayError(413, f"{why}; send a smaller request (the whole conversation so far, "
@@ -141,31 +160,16 @@ class Routes:
         return length, None
 
     def api(self, path: str) -> Api | None:
-        return routes().get(path.split("?", 1)[0].rstrip("/"))
+        return ROUTES.get(path.split("?", 1)[0].rstrip("/"))
 
     @staticmethod
     def refuse(exc: GatewayError, api: Api | None, close: bool = False) -> Answer:
         return Answer(exc.status, exc.body(api), close=close)
 
-    @contextlib.contextmanager
-    def key_slot(self, key: str) -> Iterator[bool]:
+    def key_slot(self, key: str) -> contextlib.AbstractContextManager[bool]:
         """Count one request in flight under ``key`` while the block runs; False (and nothing
         counted) when ``max_per_key`` are in flight already: the answer is 429."""
-        with self._guard:
-            taken = self._per_key.get(key, 0)
-            granted = taken < self.max_per_key
-            if granted:
-                self._per_key[key] = taken + 1
-        try:
-            yield granted
-        finally:
-            if granted:
-                with self._guard:
-                    left = self._per_key[key] - 1
-                    if left:
-                        self._per_key[key] = left
-                    else:
-                        del self._per_key[key]
+        return self._per_key.slot(key)
 
     def handle(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
         """The answer to a whole request (blocks while the model generates: call it on the
@@ -237,7 +241,7 @@ def _quiet_cancel(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> N
     loop.default_exception_handler(context)
 
 
-async def dispatched(driver: ProgramDriver, key: str | None, work: Callable[[], Answer]) -> Answer:
+async def dispatched(driver: Served, key: str | None, work: Callable[[], Answer]) -> Answer:
     """Run ``work`` where the driver serves the key's calls (``ProgramDriver.dispatch``: the
     trajectory's thread) and await its answer on the running loop, which no call blocks."""
     loop = asyncio.get_running_loop()
@@ -272,7 +276,7 @@ def headers_cased(headers: dict[str, str]) -> _Cased:
 class GatewayServer:
     """The asyncio HTTP/1.1 server of one ``ProgramDriver``, on its own event loop thread."""
 
-    def __init__(self, driver: ProgramDriver, host: str, port: int, max_active: int = MAX_ACTIVE) -> None:
+    def __init__(self, driver: Served, host: str, port: int, max_active: int = MAX_ACTIVE) -> None:
         self.routes = Routes(driver)
         self.max_active, self.max_open = max_active, MAX_OPEN
         self.idle_timeout_s, self.read_timeout_s = IDLE_TIMEOUT_S, READ_TIMEOUT_S
@@ -447,23 +451,23 @@ class GatewayServer:
 
 # -- in process ------------------------------------------------------------------------------------
 
-_LIVE: dict[str, ProgramDriver] = {}
+_LIVE: dict[str, Served] = {}
 """The drivers serving in this process, by base URL (``http_client`` finds its gateway here)."""
 _LIVE_LOCK = threading.Lock()
 
 
-def register(base_url: str, driver: ProgramDriver) -> None:
+def register(base_url: str, driver: Served) -> None:
     with _LIVE_LOCK:
         _LIVE[base_url] = driver
 
 
-def unregister(base_url: str, driver: ProgramDriver) -> None:
+def unregister(base_url: str, driver: Served) -> None:
     with _LIVE_LOCK:
         if _LIVE.get(base_url) is driver:
             del _LIVE[base_url]
 
 
-def _driver(base_url: str) -> ProgramDriver:
+def _driver(base_url: str) -> Served:
     with _LIVE_LOCK:
         driver = _LIVE.get(str(base_url).rstrip("/"))
     if driver is None:
@@ -487,11 +491,11 @@ def async_http_client(base_url: str) -> Any:
     return _driver(base_url).in_process(sync=False)
 
 
-def in_process_client(driver: ProgramDriver, sync: bool) -> Any:
+def in_process_client(driver: Served, sync: bool) -> Any:
     """A new ``httpx2`` client whose transport is the driver's routes (``http_client``)."""
     import httpx2
 
-    routes = driver._server.routes if driver._server is not None else Routes(driver)
+    routes = driver.serving_routes() or Routes(driver)
 
     def request_of(request: Any) -> tuple[str, str, dict[str, str]]:
         headers = {name.lower(): value for name, value in request.headers.items()}
