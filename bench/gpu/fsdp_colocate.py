@@ -120,8 +120,8 @@ def planned_phases(spec: Any) -> dict[str, float]:
     return dict(device.phases)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's and the batch's sizes, shared by the GPU scripts that build this model."""
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU: check the script runs")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: 1.2B parameters)")
     parser.add_argument("--steps", type=int, default=4)
@@ -132,6 +132,11 @@ def main() -> int:
     parser.add_argument("--packed-attention", default="auto", choices=["auto", "dense", "flex"],
                         help="the torch trainer's packed_attention (auto: flex on CUDA)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "bench-out", help="folder for the figures")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size_arguments(parser)
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.steps, args.prompts, args.samples = 2, 2, 4, 2

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.gpu.fsdp_colocate import GIB, build_model, planned_phases, run_spec  # noqa: E402
+from bench.gpu.fsdp_colocate import GIB, build_model, planned_phases, run_spec, size_arguments  # noqa: E402
 
 ARMS = ("full", "lora")
 
@@ -144,17 +143,8 @@ def arm_command(arm: str, path: str, batch_file: Path, result: Path) -> list[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU: check the script runs")
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (24: 1.2B parameters)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--budget", type=int, default=16384, help="max_tokens_per_micro_batch")
+    size_arguments(parser)
     parser.add_argument("--rank", type=int, default=64, help="the LoRA arm's rank (alpha is twice it)")
-    parser.add_argument("--packed-attention", default="auto", choices=["auto", "dense", "flex"],
-                        help="the torch trainer's packed_attention (auto: flex on CUDA)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "bench-out", help="folder for the figures")
     # One arm (the parent runs each in a process of its own):
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
