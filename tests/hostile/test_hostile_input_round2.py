@@ -196,7 +196,6 @@ def test_the_default_answer_cap_is_documented():
 
 @pytest.mark.parametrize("content", [b"not a zip and not a pickle", b"\x80\x04\x95"])
 def test_a_bad_optimizer_file_is_named(tmp_path, content):
-    pytest.importorskip("torch")
     from relax_plugins.trainer.torch_trainer import _load_optimizer_state
 
     bad = tmp_path / "ckpt" / "optimizer.pt"
@@ -208,7 +207,8 @@ def test_a_bad_optimizer_file_is_named(tmp_path, content):
 
 
 def test_an_optimizer_file_holding_code_is_refused_without_running_it(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from relax_plugins.trainer.torch_trainer import _load_optimizer_state
 
     marker = tmp_path / "ran"
@@ -318,7 +318,6 @@ def test_a_full_disk_under_metrics_stops_naming_the_file(tmp_path):
 
 
 def test_a_full_disk_while_checkpointing_is_not_retried(tmp_path):
-    pytest.importorskip("torch")
     from relax.runtime.checkpoint import save_checkpoint
     from relax.runtime.failure_class import DiskFull, repeats_on_retry
     from relax.runtime.worker.workers import role_failure

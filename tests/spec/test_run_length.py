@@ -70,7 +70,8 @@ def test_data_rows_counts_each_file_format(tmp_path) -> None:
 
 
 def test_a_saved_dataset_folder_counts_its_split(tmp_path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     folder = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a"] * 7}),
                           "test": datasets.Dataset.from_dict({"prompt": ["b"] * 2})}).save_to_disk(str(folder))
