@@ -319,7 +319,7 @@ def test_a_full_disk_under_metrics_stops_naming_the_file(tmp_path):
 
 def test_a_full_disk_while_checkpointing_is_not_retried(tmp_path):
     from relax.runtime.checkpoint import save_checkpoint
-    from relax.runtime.failure_class import DiskFull, repeats_on_retry
+    from relax.runtime.failure_class import DiskFull
     from relax.runtime.worker.workers import role_failure
 
     if not Path("/dev/full").exists():
