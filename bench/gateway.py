@@ -72,18 +72,26 @@ def shared_client(base_url: str, in_process: bool = False) -> openai.OpenAI:
                          http_client=http_client(base_url) if in_process else None)
 
 
+def _answered(reply) -> list:
+    """The reply's message and the calculator's answer to each of its tool calls; empty when the
+    reply calls no tool (the program is done)."""
+    if reply.choices[0].finish_reason != "tool_calls":
+        return []
+    message = reply.choices[0].message
+    return [message, *({"role": "tool", "tool_call_id": c.id, "content": _calculate(c.function.arguments)}
+                       for c in message.tool_calls)]
+
+
 def sync_program(task, base_url: str, api_key: str, in_process: bool = False) -> None:
     """Ask, answer each tool call with the calculator, ask again (at most two rounds)."""
     client = shared_client(base_url, in_process).with_options(api_key=api_key)
     messages: list = [{"role": "user", "content": task.prompt}]
     reply = client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
     for _ in range(2):
-        message = reply.choices[0].message
-        if reply.choices[0].finish_reason != "tool_calls":
+        turn = _answered(reply)
+        if not turn:
             break
-        messages.append(message)
-        messages += [{"role": "tool", "tool_call_id": c.id, "content": _calculate(c.function.arguments)}
-                     for c in message.tool_calls]
+        messages += turn
         reply = client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
 
 
@@ -110,12 +118,10 @@ async def async_program(task, base_url: str, api_key: str, in_process: bool = Fa
     messages: list = [{"role": "user", "content": task.prompt}]
     reply = await client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
     for _ in range(2):
-        message = reply.choices[0].message
-        if reply.choices[0].finish_reason != "tool_calls":
+        turn = _answered(reply)
+        if not turn:
             break
-        messages.append(message)
-        messages += [{"role": "tool", "tool_call_id": c.id, "content": _calculate(c.function.arguments)}
-                     for c in message.tool_calls]
+        messages += turn
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
 
 
