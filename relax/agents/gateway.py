@@ -30,8 +30,11 @@ reward as an environment's turn rewards are (``relax.runtime.worker.roles.reward
 
 Time and budgets: the program has ``tool_timeout_s * (max_turns + 1)`` seconds; past it, or if it
 raises, the trajectory ends with an error (kept with a zero loss mask) and the run goes on. A call
-past ``max_turns`` or with no tokens left is refused (400) and the trajectory is truncated. While
-the program thinks between calls the batcher counts it as outside, so it never waits for it.
+past ``max_turns`` or with no tokens left is refused (400) and the trajectory is truncated. Until
+its first call the batcher counts the program as outside (it never waits for it); once handed a
+reply, the program is *returning*: the next batch waits for it to call again, but only within the
+linger of its reply (``relax.agents.runner``), after which it counts as outside too. A thousand
+programs reading their replies one after another thus share a batch instead of making dozens.
 
 The server (``relax.agents.gateway_http``) listens on loopback by default, started once per
 driver on its first trajectory and stopped by ``close()``: one asyncio event loop with HTTP/1.1
@@ -48,6 +51,7 @@ an ``httpx2`` client whose transport calls the same routes directly.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import importlib
@@ -114,7 +118,9 @@ from relax.telemetry import AGENT_SEGMENT, AGENT_TURN, NULL_SPAN
 __all__ = ["MAX_ACTIVE", "MAX_BODY_BYTES", "MAX_CALLS_PER_KEY", "ROUTES", "ProgramDriver", "ProgramError",
            "load_program"]
 
-#: The routes a request may be posted to, and the API each speaks.
+#: How many tool sets' chat renderers a driver keeps (``ProgramDriver._chat``): programs of a run
+#: declare one or a few; a program that varies its tools per call only rebuilds them.
+CHAT_RENDERERS = 64
 #: The ``metadata`` key of a request through which a program reports the reward of the turn it asks for.
 TURN_REWARD_KEY = "relax.turn_reward"
 
@@ -183,6 +189,8 @@ class _Session:
     ended: str | None = None
     """Why the gateway refuses further calls (a budget was spent; the trajectory is truncated)."""
     model_s: float = 0.0
+    outside: bool = False
+    """Counted by the batcher as outside (the program has not called the model yet)."""
     failure: BaseException | None = None
     """The rollout backend's failure, raised on the trajectory's thread once the program is done."""
 
@@ -224,6 +232,10 @@ class ProgramDriver:
         self._lock = threading.Lock()
         self._server: GatewayServer | None = None
         self._clients: dict[bool, Any] = {}
+        self._chats: collections.OrderedDict[str, ChatTokens] = collections.OrderedDict()
+        """The chat renderer of each tool set seen (``ModelCall.tools_key``), most recent last: building
+        one renders the template's probe conversation, which cost a third of a call's server time when
+        every trajectory built its own (the same tools, in a run's programs, nearly always)."""
         self.base_url = ""
 
     # -- the server --------------------------------------------------------------------------------
@@ -360,7 +372,8 @@ class ProgramDriver:
             self._sessions[key] = session
         traj = session.traj
         result: Any = None
-        batcher.outside(+1)  # the program thinks outside its calls: the batcher does not wait for it
+        batcher.outside(+1)  # until its first call the program may take any time: the batcher does not wait for it
+        session.outside = True
         started = time.perf_counter()
         try:
             result = self._run_program(session, task, base_url, key)
@@ -378,7 +391,9 @@ class ProgramDriver:
             # else: the program stopped on the gateway's refusal of a call past a budget (truncated)
         finally:
             self._close(key, session)
-            batcher.outside(-1)
+            if session.outside:
+                batcher.outside(-1)
+            batcher.returning(id(session), back=False)
         traj.env_s = max(0.0, time.perf_counter() - started - session.model_s)
         if session.failure is not None:
             raise session.failure
@@ -599,7 +614,7 @@ class ProgramDriver:
         messages = call.messages
         context: list[int] = []
         if session.calls == 0:
-            session.chat = ChatTokens(self.tokenizer, call.tools, None, self.max_prompt_tokens)
+            session.chat = self._chat(call)
             session.tools, session.tools_key = call.tools, call.tools_key
             prompt = self._render(session, messages, first=True)
             if len(prompt) > self.max_prompt_tokens:
@@ -620,8 +635,7 @@ class ProgramDriver:
             if edit is None:
                 context = self._render(session, messages[len(session.history):], first=False)
             else:  # a new segment: the whole conversation as it is now is its prompt
-                chat = ChatTokens(self.tokenizer, call.tools, None, self.max_prompt_tokens)
-                session.chat, session.tools, session.tools_key = chat, call.tools, call.tools_key
+                session.chat, session.tools, session.tools_key = self._chat(call), call.tools, call.tools_key
                 ids = self._render(session, messages, first=True)
                 self._branch(session, ids, edit)
             prompt = traj.prompt_ids
@@ -645,6 +659,21 @@ class ProgramDriver:
         session.history = [*messages, Message("assistant", content or "", [(n, a) for _, n, a in calls])]
         return self._reply(generation, content, calls, finish, len(traj.ids) - len(generation.response_ids),
                            call.stream)
+
+    def _chat(self, call: ModelCall) -> ChatTokens:
+        """The chat renderer of ``call``'s tools, shared by every trajectory that declares the same
+        ones (it holds no trajectory state); at most ``CHAT_RENDERERS`` tool sets are kept."""
+        with self._lock:
+            chat = self._chats.get(call.tools_key)
+            if chat is not None:
+                self._chats.move_to_end(call.tools_key)
+                return chat
+        chat = ChatTokens(self.tokenizer, call.tools, None, self.max_prompt_tokens)  # outside the lock: it renders
+        with self._lock:
+            self._chats[call.tools_key] = chat
+            while len(self._chats) > CHAT_RENDERERS:
+                self._chats.popitem(last=False)
+        return chat
 
     def _without_stop(self, text: str, generation: Generation) -> str:
         """A turn's text without the stop token it ended with (kept by ``turn_text``)."""
@@ -735,8 +764,9 @@ class ProgramDriver:
                 before = so_far
             if pieces is not None and "".join(pieces) != content:
                 pieces = None
-        return Reply(text=generation.text, content=content, calls=calls, finish=finish, tokens=self._tokens(ids),
-                     logprobs=[float(x) for x in generation.logprobs], prompt_tokens=prompt_tokens, pieces=pieces)
+        return Reply(text=generation.text, content=content, calls=calls, finish=finish, token_ids=list(ids),
+                     token_text=self._tokens, logprobs=[float(x) for x in generation.logprobs],
+                     prompt_tokens=prompt_tokens, pieces=pieces)
 
     def _edit(self, session: _Session, messages: list[Message]) -> str | None:
         """Why a later call does not extend the previous call and its reply (None: it does)."""
@@ -788,23 +818,26 @@ class ProgramDriver:
             AGENT_TURN, trajectory=session.task.trajectory_id, turn=index)
         started = time.perf_counter()
         with span_cm as span:
-            batcher.outside(-1)
+            if session.outside:
+                batcher.outside(-1)
+                session.outside = False
             try:
                 grammar_text, structured = constraint or (None, None)
-                generation = batcher.request(TokenPrompt(traj.ids, [], budget, grammar_text, structured))
+                generation = batcher.request(TokenPrompt(traj.ids, [], budget, grammar_text, structured), id(session))
             except BackendFailure as exc:
                 session.failure = exc
                 raise GatewayError(503, f"the rollout backend failed: {exc}", kind="server_error",
                                    code="backend_failure") from exc
             finally:
-                batcher.outside(+1)
+                batcher.returning(id(session))  # it reads the reply and most often calls again at once
                 session.model_s += time.perf_counter() - started
             version = int(self.version())
             span.set(tokens=len(generation.response_ids), policy_version=version)
         return generation, version
 
     def _tokens(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        """Each token's text, as ``decode`` gives it for that token alone (one batched call)."""
+        return list(self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False))
 
 
 def _metadata_reward(body: Any) -> float | None:

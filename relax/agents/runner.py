@@ -3,9 +3,14 @@
 Every trajectory advances on its own thread (a driver: an environment, or an agent program behind
 the gateway). When it needs the model it hands its tokens to the ``GenerationBatcher`` and blocks;
 the rollout's own thread serves the batcher: it waits until every live trajectory is either waiting
-for the model or inside an environment call (or a few milliseconds have passed since the first
-request), and makes one ``generate_tokens`` call for all the requests at hand. A slow tool thus
-holds only its own trajectory: the others keep being batched while it runs.
+for the model or outside (in an environment call, or an agent program between its calls) and no new
+request has come for a few milliseconds, or until a bound passes, and makes one ``generate_tokens``
+call for all the requests at hand. A slow tool thus holds only its own trajectory: the others keep
+being batched while it runs. Quiet is counted from the last request, not the first: a thousand agent
+programs answering a batch come back one after another over a second or more (their clients' work
+is serialised by the interpreter), and a batch sent ten milliseconds after the first of them would
+hold a few dozen rows: generating 1,024 rows in batches of 16 took 4x the time of batches of 256
+with the tiny agent model (``bench/gateway.py``).
 
 A backend failure is not a trajectory's: every waiting trajectory is stopped and the failure is
 raised on the rollout's thread (the unit is then generated again, as for any rollout failure).
@@ -17,6 +22,7 @@ import contextvars
 import json
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,19 +37,23 @@ from relax.contracts import AgentTask, Generation, Observation, TokenPrompt, Tur
 from relax.media import MediaRef, MediaSet
 from relax.telemetry import AGENT_TOOL_CALL, AGENT_TURN
 
-#: The longest the batcher waits for more requests once one is waiting, while some trajectories are
-#: neither waiting for the model nor outside (in an environment call, or an agent program between
-#: its calls): they are rendering a message, which takes about a millisecond. A safety bound only:
-#: the batch normally goes as soon as every live trajectory is waiting or outside.
+#: The least the batcher may wait for more requests once one is waiting (after the unit's first
+#: batch, which waits for every trajectory's first request): a bound for when requests keep coming
+#: in. It grows to ``LINGER_SHARE`` of the last batch's generation time, so that a batch waits for
+#: the trajectories still answering the previous one at most that share of the model's time.
 LINGER_S = 0.05
+#: The share of the last ``generate_tokens`` call's wall time a later batch may wait for requests
+#: still coming in (see ``LINGER_S``).
+LINGER_SHARE = 1.0
 #: The seed stride of the batcher's generate calls: call ``c`` draws with the unit's seed plus
 #: ``c x CALL_SEED_STRIDE``, so each call draws afresh. It is the unit stride of
 #: ``relax.runtime.worker.sampling`` (7,919, the 1,000th prime): call ``c`` of unit ``u`` has the seed
 #: of call 0 of unit ``u + c``, which generates other prompts; being prime, it shares no factor with
 #: that module's round stride (104,729, also prime).
 CALL_SEED_STRIDE = 7_919
-#: How long a batch waits for trajectories in an environment call to come back before it goes
-#: without them (a quick tool rejoins the batch; a slow one holds only its own trajectory).
+#: How long no new request must come, with every live trajectory waiting or outside, before a batch
+#: goes without the outside ones (a quick tool rejoins the batch; a slow one holds only its own
+#: trajectory).
 SETTLE_S = 0.01
 
 
@@ -62,18 +72,28 @@ class GenerationBatcher:
         self._live = 0
         self._outside = 0
         self._failure: BaseException | None = None
+        self._arrived = 0.0
+        """When the last request came (``time.monotonic``)."""
+        self._generate_s = 0.0
+        """The wall time of the last ``generate_tokens`` call."""
+        self._returning: OrderedDict[object, float] = OrderedDict()
+        """Agent programs handed a reply that have neither called again nor ended, by token, with
+        when (oldest first): a batch waits for those still within the linger of their reply."""
         self.calls = 0
         self.requests = 0
 
     # -- trajectory side ------------------------------------------------------------------------
 
-    def request(self, prompt: TokenPrompt) -> Generation:
-        """The model's next turn for ``prompt`` (blocks until the batch it joins is generated)."""
+    def request(self, prompt: TokenPrompt, token: object = None) -> Generation:
+        """The model's next turn for ``prompt`` (blocks until the batch it joins is generated);
+        ``token``: the trajectory's, when it was ``returning``."""
         future: Future = Future()
         with self._cv:
             if self._failure is not None:
                 raise BackendFailure(str(self._failure)) from self._failure
+            self._returning.pop(token, None)
             self._pending.append((prompt, future))
+            self._arrived = time.monotonic()
             self._cv.notify_all()
         return future.result()
 
@@ -92,6 +112,26 @@ class GenerationBatcher:
             self._outside += delta
             self._cv.notify_all()
 
+    def returning(self, token: object, back: bool = True) -> None:
+        """An agent program was handed its reply (``back``) and will likely call again soon: the next
+        batch waits for it, but only within the linger of that moment (a program that thinks longer,
+        e.g. runs a slow tool, then counts as outside). ``back=False``: it ended, or called again."""
+        with self._cv:
+            self._returning.pop(token, None)
+            if back:
+                self._returning[token] = time.monotonic()
+            self._cv.notify_all()
+
+    def _slow_returning(self, now: float, linger: float) -> tuple[int, float]:
+        """How many returning programs were handed their reply more than ``linger`` ago (counted as
+        outside), and when the next one will be (inf: none)."""
+        slow = 0
+        for handed in self._returning.values():  # oldest first
+            if now - handed < linger:
+                return slow, handed + linger
+            slow += 1
+        return slow, float("inf")
+
     # -- the generating thread -------------------------------------------------------------------
 
     def serve(self) -> None:
@@ -104,20 +144,24 @@ class GenerationBatcher:
                     return
                 first = time.monotonic()
                 # The first batch waits for every trajectory's first request (they all start together,
-                # rendering their prompts); later ones for at most the linger. Trajectories in an
-                # environment call get a moment to come back (most tools answer in milliseconds).
-                linger = self._linger if self.calls else float("inf")
+                # rendering their prompts); later ones for at most the linger. Trajectories outside
+                # get a moment of quiet to come back (most tools answer in milliseconds).
+                linger = max(self._linger, LINGER_SHARE * self._generate_s) if self.calls else float("inf")
                 while True:
-                    waited = time.monotonic() - first
+                    now = time.monotonic()
                     if len(self._pending) >= self._live:
                         break
-                    if len(self._pending) + self._outside >= self._live and waited >= self._settle:
+                    slow, next_slow = self._slow_returning(now, max(self._linger, LINGER_SHARE * self._generate_s))
+                    quiet = now - self._arrived
+                    if len(self._pending) + self._outside + slow >= self._live and quiet >= self._settle:
                         break
-                    if waited >= linger:
+                    if now - first >= linger:
                         break
-                    wake = min(linger, self._settle if waited < self._settle else linger) - waited
+                    settled = self._arrived + self._settle  # a wake-up only while it is still ahead
+                    wake = min(first + linger, settled if settled > now else float("inf"), next_slow) - now
                     self._cv.wait(None if wake == float("inf") else max(wake, 0.0))
                 batch, self._pending = self._pending, []
+            started = time.monotonic()
             try:
                 generations = self._generate([p for p, _ in batch], self._seed + self.calls * CALL_SEED_STRIDE)
                 if len(generations) != len(batch):
@@ -131,6 +175,7 @@ class GenerationBatcher:
                 for _, future in batch + stranded:
                     future.set_exception(failure)
                 raise failure from exc
+            self._generate_s = time.monotonic() - started
             self.calls += 1
             self.requests += len(batch)
             for (_, future), generation in zip(batch, generations):

@@ -21,10 +21,11 @@ for whatever is wrong with the request.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -139,15 +140,22 @@ class Reply:
     calls: list[tuple[str, str, dict[str, Any]]]
     """``(id, name, arguments)`` of each tool call."""
     finish: Literal["stop", "length", "tool_calls"]
-    tokens: list[str]
+    token_ids: list[int]
+    token_text: Callable[[list[int]], list[str]]
+    """Each token's text, decoded one by one (``tokens``)."""
     logprobs: list[float]
     prompt_tokens: int
     pieces: list[str] | None = None
     """The content cut at token boundaries (joined they are ``content``), or None when it cannot be."""
 
+    @functools.cached_property
+    def tokens(self) -> list[str]:
+        """Each token's text: decoded only for a reply that shows log-probs (most calls do not ask)."""
+        return self.token_text(self.token_ids)
+
     @property
     def completion_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.token_ids)
 
 
 # -- reading requests --------------------------------------------------------------------------------
