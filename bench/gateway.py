@@ -14,7 +14,13 @@ unit of ``--trajectories`` trajectories is run, in this process, by:
 - **async**: an ``async def`` program with one ``openai.AsyncOpenAI`` client for the run (async
   programs all run on the gateway's one event loop, so they can share it);
 - **sync_in_process** and **async_in_process**: the same two programs with the gateway's in-process
-  ``http_client`` / ``async_http_client`` (``relax.agents.gateway_http``): no socket.
+  ``http_client`` / ``async_http_client`` (``relax.agents.gateway_http``): no socket;
+- **async_raw**: the async program posting its JSON with the in-process ``httpx2`` client, without
+  the ``openai`` client: what the gateway itself costs.
+
+Before the arms, the ``openai`` client alone is timed: a chat call with the same messages and tools
+against a transport that answers at once, no gateway behind it (CPU per call). It bounds what a
+client program can reach: the arms pay it on every call, the environment never does.
 
 Arms alternate within each repeat (drift on a shared machine hits all alike). Printed per arm: the
 median wall seconds per unit and its range, turns per trajectory, and the most file descriptors
@@ -125,6 +131,59 @@ async def async_program(task, base_url: str, api_key: str, in_process: bool = Fa
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=list(_tools()))
 
 
+async def async_raw_program(task, base_url: str, api_key: str) -> None:
+    """The same loop as an async program that posts the JSON itself with the in-process ``httpx2``
+    client (as agent harnesses with their own HTTP layer do): the gateway's cost without the
+    ``openai`` client's request building and response parsing."""
+    from relax.agents.gateway_http import async_http_client
+
+    http = async_http_client(base_url)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    messages: list = [{"role": "user", "content": task.prompt}]
+    for _ in range(3):
+        reply = await http.post("/chat/completions", headers=headers,
+                                json={"model": "policy", "messages": messages, "tools": list(_tools())})
+        reply.raise_for_status()
+        choice = reply.json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            break
+        message = choice["message"]
+        messages += [message, *({"role": "tool", "tool_call_id": c["id"],
+                                 "content": _calculate(c["function"]["arguments"])} for c in message["tool_calls"])]
+
+
+def client_alone_ms(calls: int = 300) -> float:
+    """CPU milliseconds the ``openai`` client spends on one chat call (the calculator's tools, a
+    reply with a tool call) when the answer costs nothing: a transport that returns it at once."""
+    import httpx2
+
+    answer = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "policy",
+                         "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                             "role": "assistant", "content": None, "tool_calls": [{
+                                 "id": "call_1", "type": "function",
+                                 "function": {"name": "calc", "arguments": '{"expr": "347*58"}'}}]}}],
+                         "usage": {"prompt_tokens": 30, "completion_tokens": 16, "total_tokens": 46}}).encode()
+
+    def answered(request):
+        request.read()
+        return httpx2.Response(200, content=answer, headers={"content-type": "application/json"})
+
+    client = openai.OpenAI(base_url="http://gateway/v1", api_key="per-trajectory", max_retries=0,
+                           http_client=httpx2.Client(transport=httpx2.MockTransport(answered)))
+    messages = [{"role": "user", "content": "347*58="}]
+
+    def call() -> None:
+        client.with_options(api_key="k").chat.completions.create(model="policy", messages=messages,
+                                                                 tools=list(_tools()))
+
+    for _ in range(20):
+        call()
+    started = time.process_time()
+    for _ in range(calls):
+        call()
+    return (time.process_time() - started) / calls * 1e3
+
+
 class Held:
     """The most file descriptors and threads this process holds while it runs (sampled)."""
 
@@ -151,7 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process",
+    parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process,async_raw",
                         help="the gateway arms to run, comma-separated (the environment arm always runs)")
     args = parser.parse_args()
 
@@ -218,8 +277,11 @@ def main() -> None:
         close = getattr(driver, "close", None)
         if close is not None:
             close()
+    alone = client_alone_ms()
     print(f"{n} trajectories a unit, {args.repeats} repeats, tiny agent preset model, hf rollout, "
           f"{os.cpu_count()} cores")
+    print(f"openai client alone: {alone:.2f} ms CPU a chat call; the environment arm: "
+          f"{statistics.median(cpus['environment']) / n * 1e3:.2f} ms CPU a trajectory, model included")
     for arm, values in walls.items():
         print(f"{arm:16s} {statistics.median(values):7.2f} s/unit (range {min(values):.2f}-{max(values):.2f}), "
               f"CPU {statistics.median(cpus[arm]):.2f} s, {turns[arm]:.2f} turns/trajectory, "

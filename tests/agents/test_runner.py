@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from relax.agents.chat import ChatTokens
-from relax.agents.runner import AgentLimits, BackendFailure, EnvironmentDriver, run_trajectories
+from relax.agents.runner import AgentLimits, BackendFailure, EnvironmentDriver, GenerationBatcher, run_trajectories
 from relax.contracts import AgentTask, Generation, Observation, TokenPrompt, ToolSpec
 
 CALL = '<tool_call>{"name": "wait", "arguments": {"seconds": %s}}</tool_call>'
@@ -209,3 +209,76 @@ def test_failed_trajectories_are_regenerated_up_to_the_budget_and_counted(tokeni
     batch = run(tokenizer, environment, script, 2)
     assert environment.starts == {0: 1, 1: 1} and [t.outcome for t in batch.trajectories] == ["ok", "infra"]
     assert batch.stats["agent_regenerated"] == 0
+
+
+class Timed:
+    """A model that answers every prompt with one token after ``seconds``, recording each call's
+    prompts (their first token: the trajectory) and when it was made."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, prompts: list[TokenPrompt], seed: int) -> list[Generation]:
+        self.calls.append((time.monotonic(), sorted(p.ids[0] for p in prompts)))
+        time.sleep(self.seconds)
+        return [Generation(prompt_index=i, prompt_ids=list(p.ids), response_ids=[1], logprobs=[-0.5], text="x",
+                           finished=True) for i, p in enumerate(prompts)]
+
+
+def _programs(batcher, thinking: dict[int, float], turns: int = 2) -> list[threading.Thread]:
+    """Agent programs as the gateway drives the batcher: outside until their first call, then
+    returning after each reply; program ``j`` thinks ``thinking[j]`` seconds before each later call."""
+
+    def program(j: int) -> None:
+        batcher.outside(+1)
+        outside = True
+        try:
+            for turn in range(turns):
+                if turn:
+                    time.sleep(thinking[j])
+                if outside:
+                    batcher.outside(-1)
+                    outside = False
+                batcher.request(TokenPrompt([j], [], 1), j)
+                batcher.returning(j)
+        finally:
+            if outside:
+                batcher.outside(-1)
+            batcher.returning(j, back=False)
+            batcher.left()
+
+    threads = []
+    for j in thinking:
+        batcher.joined()
+        threads.append(threading.Thread(target=program, args=(j,), daemon=True))
+    return threads
+
+
+def test_a_batch_waits_for_programs_reading_their_replies_one_after_another():
+    model = Timed(0.3)
+    batcher = GenerationBatcher(model, seed=0)
+    # 8 programs come back 20 ms apart (more than the 10 ms of quiet that sends a batch without
+    # trajectories that are outside): all within the last call's 0.3 s, so one batch takes them all
+    threads = _programs(batcher, {j: 0.02 * j for j in range(8)})
+    for thread in threads:
+        thread.start()
+    batcher.serve()
+    for thread in threads:
+        thread.join()
+    assert [served for _, served in model.calls] == [list(range(8)), list(range(8))]
+
+
+def test_a_program_that_thinks_longer_than_a_generation_does_not_hold_the_others():
+    model = Timed(0.1)
+    batcher = GenerationBatcher(model, seed=0)
+    threads = _programs(batcher, {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.5})
+    for thread in threads:
+        thread.start()
+    batcher.serve()
+    for thread in threads:
+        thread.join()
+    (first, all4), (second, fast), (third, slow) = model.calls
+    assert all4 == [0, 1, 2, 3] and fast == [0, 1, 2] and slow == [3]
+    # the fast programs' batch went once the slow one had been thinking for about a generation's
+    # time (0.1 s after its reply), not when it came back 1.5 s later
+    assert second - first < 0.1 + 0.5 and third - first >= 1.5
