@@ -255,10 +255,10 @@ def _programs(batcher, thinking: dict[int, float], turns: int = 2) -> list[threa
 
 
 def test_a_batch_waits_for_programs_reading_their_replies_one_after_another():
-    model = Timed(0.3)
+    model = Timed(1.0)
     batcher = GenerationBatcher(model, seed=0)
     # 8 programs come back 20 ms apart (more than the 10 ms of quiet that sends a batch without
-    # trajectories that are outside): all within the last call's 0.3 s, so one batch takes them all
+    # trajectories that are outside): all within the last call's 1 s, so one batch takes them all
     threads = _programs(batcher, {j: 0.02 * j for j in range(8)})
     for thread in threads:
         thread.start()
@@ -269,9 +269,9 @@ def test_a_batch_waits_for_programs_reading_their_replies_one_after_another():
 
 
 def test_a_program_that_thinks_longer_than_a_generation_does_not_hold_the_others():
-    model = Timed(0.1)
+    model = Timed(0.5)
     batcher = GenerationBatcher(model, seed=0)
-    threads = _programs(batcher, {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.5})
+    threads = _programs(batcher, {0: 0.0, 1: 0.0, 2: 0.0, 3: 4.0})
     for thread in threads:
         thread.start()
     batcher.serve()
@@ -280,5 +280,5 @@ def test_a_program_that_thinks_longer_than_a_generation_does_not_hold_the_others
     (first, all4), (second, fast), (third, slow) = model.calls
     assert all4 == [0, 1, 2, 3] and fast == [0, 1, 2] and slow == [3]
     # the fast programs' batch went once the slow one had been thinking for about a generation's
-    # time (0.1 s after its reply), not when it came back 1.5 s later
-    assert second - first < 0.1 + 0.5 and third - first >= 1.5
+    # time (0.5 s after its reply), not when it came back 4 s later
+    assert second - first < 0.5 + 0.5 + 1.5 and third - first >= 4.0
