@@ -4,10 +4,10 @@ display (a ``rich`` bar on a terminal, plain lines otherwise, both with the time
 Each role reports its own timings for a step to ``RunState``; the controller joins them here.
 Time keys (seconds): ``time/step_s`` wall time between two optimizer steps; ``time/rollout_s``
 generating; ``time/reward_s`` and ``time/advantage_s`` scoring; ``time/train_s`` the train step;
-``time/wait_s`` the rollout held back by the staleness bound; ``time/data_wait_s`` the actor
-waiting for its batch; ``time/weight_sync_s`` publishing and loading weights; ``time/bus_s``
-bus calls of all roles. ``time/work_frac`` is (generating + scoring + training) / step time,
-summed over roles, so it exceeds 1 when they overlap.
+``time/wait_s`` the rollout held back by the staleness bound (its lease, then its weights);
+``time/data_wait_s`` the actor waiting for its batch; ``time/weight_sync_s`` publishing and
+loading weights; ``time/bus_s`` bus calls of all roles. ``time/work_frac`` is (generating +
+scoring + training) / step time, summed over roles, so it exceeds 1 when they overlap.
 
 Mismatch keys (``relax.algo.mismatch``, from the actor's train step): ``mismatch/kl``,
 ``mismatch/max_abs``, ``mismatch/frac_over`` and ``mismatch/tokens``, counted only on rows the
