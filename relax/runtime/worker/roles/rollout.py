@@ -84,8 +84,8 @@ class RolloutLoop:
         self.colocated = isinstance(weights, InProcessWeights)
         """Colocate mode: the actor trains in this process and hands each version over in memory,
         whether or not the rows also go through the bus (they do when a reference or critic reads
-        them). RunState then learns of a version only from the step reports, so a lease must not
-        wait for its admission: this thread's own actor publishes the version after the lease."""
+        them). RunState is never told of those versions, so a lease asked with admission would
+        wait out its whole wait slice: a colocated rollout asks without."""
         self.ragged = env.work.ragged
         """Several units per step: token columns go ragged (their dense layouts would differ)."""
         self.sole_producer = env.work.units_per_step == 1 and env.work.replica_limit == 1
