@@ -10,12 +10,22 @@ and grad norm is compared with ``bench/reference/same_numbers.json``, recorded b
 Float results are compared to a relative 1e-6: summation order may differ between layouts of the
 same computation, nothing else may. Asynchronous layouts (max_staleness >= 1) are left out: which
 policy version generates a batch there depends on timing.
+
+The numbers hold on one machine only: the tiny model is built by training on the machine itself,
+and another CPU's kernels round differently (on a second 2-core box every float differed from the
+first step on, by up to 0.7% in the loss). The reference records the machine it was made on; on
+another machine, record one from the commit before the change first, to a file of your own:
+
+    git switch --detach BASE && python bench/same_numbers.py --record --reference /tmp/base.json
+    git switch - && python bench/same_numbers.py --reference /tmp/base.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +47,24 @@ LAYOUTS = {
 }
 KEYS = ("data/order", "reward/mean", "train/loss", "train/grad_norm", "staleness/max")
 RELATIVE = 1e-6
+
+
+def machine() -> dict[str, str]:
+    """What the numbers depend on besides the code: the CPU (its model and instruction set) and torch."""
+    import torch
+
+    info = {"cpu": platform.processor() or platform.machine(), "flags": "", "torch": torch.__version__}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return info
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and info["cpu"] in ("", platform.machine()):
+            info["cpu"] = value.strip()
+        if key.strip() == "flags" and not info["flags"]:
+            info["flags"] = hashlib.sha256(value.strip().encode()).hexdigest()[:12]
+    return info
 
 
 def measure() -> dict[str, list[dict]]:
@@ -69,18 +97,30 @@ def differences(reference: dict, measured: dict) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write the reference from this checkout")
+    parser.add_argument("--reference", type=Path, default=REFERENCE,
+                        help=f"the reference file to write or compare against (default: {REFERENCE})")
     args = parser.parse_args()
+    if not args.record and not args.reference.is_file():
+        print(f"no reference at {args.reference}: record one first (--record --reference {args.reference})")
+        return 2
+    here = machine()
     measured = measure()
     if args.record:
-        REFERENCE.write_text(json.dumps(measured, indent=1) + "\n")
-        print(f"wrote {REFERENCE}")
+        args.reference.write_text(json.dumps({"machine": here, "layouts": measured}, indent=1) + "\n")
+        print(f"wrote {args.reference}")
         return 0
-    found = differences(json.loads(REFERENCE.read_text()), measured)
+    reference = json.loads(args.reference.read_text())
+    recorded_on = reference.get("machine")
+    found = differences(reference["layouts"] if "layouts" in reference else reference, measured)
     steps = sum(len(rows) for rows in measured.values())
     print(f"{len(LAYOUTS)} layouts, {steps} steps compared on {', '.join(KEYS)}: "
           + ("identical to the reference" if not found else f"{len(found)} differences"))
     for line in found[:20]:
         print("  " + line)
+    if found and recorded_on != here:
+        print(f"the reference was recorded on another machine ({recorded_on or 'not recorded'}; this one: {here}):"
+              " floats differ between machines. Record one from the commit before the change on this machine"
+              " (--record --reference FILE, see this script's docstring) and compare against that.")
     return 1 if found else 0
 
 
