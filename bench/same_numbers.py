@@ -53,18 +53,14 @@ def machine() -> dict[str, str]:
     """What the numbers depend on besides the code: the CPU (its model and instruction set) and torch."""
     import torch
 
-    info = {"cpu": platform.processor() or platform.machine(), "flags": "", "torch": torch.__version__}
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return info
-    for line in lines:
+    cpuinfo = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else ():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and info["cpu"] in ("", platform.machine()):
-            info["cpu"] = value.strip()
-        if key.strip() == "flags" and not info["flags"]:
-            info["flags"] = hashlib.sha256(value.strip().encode()).hexdigest()[:12]
-    return info
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    return {"cpu": fields.get("model name") or platform.machine(),
+            "flags": hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12],
+            "torch": torch.__version__}
 
 
 def measure() -> dict[str, list[dict]]:
@@ -111,7 +107,7 @@ def main() -> int:
         return 0
     reference = json.loads(args.reference.read_text())
     recorded_on = reference.get("machine")
-    found = differences(reference["layouts"] if "layouts" in reference else reference, measured)
+    found = differences(reference["layouts"], measured)
     steps = sum(len(rows) for rows in measured.values())
     print(f"{len(LAYOUTS)} layouts, {steps} steps compared on {', '.join(KEYS)}: "
           + ("identical to the reference" if not found else f"{len(found)} differences"))

@@ -62,8 +62,8 @@ def test_dapo_reports_its_dynamic_sampling(algorithm_runs) -> None:
 def test_a_colocated_rollout_never_waits_out_a_slice_for_its_lease(algorithm_runs, name: str) -> None:
     """Colocated, with rows that go through the bus (a critic's values, a reference's log-probs),
     the rollout's lease for the next step is not held for the staleness bound's admission: the
-    version it needs is published by the actor of this same process, after the lease. It waited out
-    a whole wait slice (2 s) every step, 20 times the tiny step, before the fix."""
+    actor hands its versions over in memory and RunState never hears of them. It waited out a whole
+    wait slice (2 s) every step, 20 times the tiny step, before the fix."""
     from relax.runtime.worker.role_env import WAIT_SLICE_S
 
     code, rows, printed = algorithm_runs[name]

@@ -81,11 +81,6 @@ class RolloutLoop:
         self.learner: ActorLoop | None = None
         """The actor loop in this worker that takes each step's rows in memory (colocate: the plan's
         ``advantage.hands_to``); the rows then never touch the bus."""
-        self.colocated = isinstance(weights, InProcessWeights)
-        """Colocate mode: the actor trains in this process and hands each version over in memory,
-        whether or not the rows also go through the bus (they do when a reference or critic reads
-        them). RunState is never told of those versions, so a lease asked with admission would
-        wait out its whole wait slice: a colocated rollout asks without."""
         self.ragged = env.work.ragged
         """Several units per step: token columns go ragged (their dense layouts would differ)."""
         self.sole_producer = env.work.units_per_step == 1 and env.work.replica_limit == 1
@@ -131,6 +126,14 @@ class RolloutLoop:
         self._step_started = 0.0
         self._step_s = 0.0
         """The time between the starts of the last two steps here (the worker's pace)."""
+
+    @property
+    def colocated(self) -> bool:
+        """Colocate mode: the actor trains in this process and hands each version over in memory,
+        whether or not the rows also go through the bus (they do when a reference or critic reads
+        them). RunState is never told of those versions, so a lease asked with admission would
+        wait out its whole wait slice: a colocated rollout asks without."""
+        return isinstance(self.weights, InProcessWeights)
 
     @property
     def sampler(self) -> Sampler:
