@@ -52,8 +52,11 @@ def validate_command(argv: list[str]) -> subprocess.CompletedProcess:
 
 # -- SLURM ------------------------------------------------------------------------------------------
 
+#: Each call is logged in one write: the script starts its ``srun ray start`` steps in the
+#: background, and two stubs writing a line piece by piece interleaved their pieces.
 STUB = """#!/bin/bash
-{ printf '%s' "$(basename "$0")"; printf '\\x1f%s' "$@"; printf '\\n'; } >> "$STUB_LOG"
+line="$(basename "$0")$(printf '\\x1f%s' "$@")"
+printf '%s\\n' "$line" >> "$STUB_LOG"
 case "$(basename "$0")" in
   scontrol) printf '%s\\n' gpu-a gpu-b ;;
   srun) [[ " $* " == *" hostname --ip-address "* ]] && echo "10.1.2.3 fd00::3" ;;
