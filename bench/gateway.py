@@ -1,6 +1,6 @@
 """The agent gateway against the built-in environment: the same task, three ways, side by side.
 
-    python bench/gateway.py [--trajectories 128] [--repeats 3]
+    python bench/gateway.py [--trajectories 128] [--repeats 3] [--set model.options.hidden_size=256 ...]
 
 Why: an agent program behind the gateway must not cost the run much over an environment plugin,
 or users keep their agents out of training (issue 42 measured 3.2x to 10x per step, with
@@ -22,10 +22,16 @@ Before the arms, the ``openai`` client alone is timed: a chat call with the same
 against a transport that answers at once, no gateway behind it (CPU per call). It bounds what a
 client program can reach: the arms pay it on every call, the environment never does.
 
-Arms alternate within each repeat (drift on a shared machine hits all alike). Printed per arm: the
-median wall seconds per unit and its range, turns per trajectory, and the most file descriptors
-and threads this process held during the unit (sampled every 10 ms), then the ratios gateway arm /
-environment (issue 42 asks for at most 1.5x).
+``--set`` applies spec overrides to the preset, e.g. a larger model (``model.options.hidden_size``,
+``num_layers``, ``intermediate_size``): the gateway's cost a call is the same whatever the model, so
+the ratios show how much of a unit it is once the model's own time grows.
+
+Arms alternate within each repeat (drift on a shared machine hits all alike), and each repeat
+starts one arm later than the one before: no arm always goes first (when the environment arm did,
+it once took 18% longer than the next arm to generate the same first 1,024-row batch). Printed per
+arm: the median wall seconds per unit and its range, turns per trajectory, and the most file
+descriptors and threads this process held during the unit (sampled every 10 ms), then the ratios
+gateway arm / environment (issue 42 asks for at most 1.5x).
 """
 
 from __future__ import annotations
@@ -212,6 +218,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process,async_raw",
                         help="the gateway arms to run, comma-separated (the environment arm always runs)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="spec overrides for the preset (e.g. model.options.hidden_size=256)")
     args = parser.parse_args()
 
     import torch
@@ -229,7 +237,7 @@ def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))  # the programs: gateway:sync_program, gateway:async_program
     spec, _, base = testing.tiny_spec(Path(tempfile.mkdtemp(prefix="relax-gateway-bench-")), "bench",
-                                      preset="tiny-agent-cpu")
+                                      *args.set, preset="tiny-agent-cpu")
     path = materialize_model(spec, base)
     registry = get_registry()
     rollout = registry.load(PluginKind.rollout, "hf")(registry.build_config(PluginKind.rollout, "hf", {}),
@@ -262,8 +270,10 @@ def main() -> None:
     turns: dict[str, float] = {}
     failed: dict[str, int] = {}
     batches: dict[str, float] = {}
+    order = list(drivers)
     for repeat in range(args.repeats):
-        for arm, driver in drivers.items():
+        for arm in order[repeat % len(order):] + order[:repeat % len(order)]:  # each repeat starts one arm later
+            driver = drivers[arm]
             with Held() as watch:
                 started, cpu = time.perf_counter(), time.process_time()
                 batch = run_trajectories(tasks, driver, generate, 1 + repeat)
@@ -278,8 +288,8 @@ def main() -> None:
         if close is not None:
             close()
     alone = client_alone_ms()
-    print(f"{n} trajectories a unit, {args.repeats} repeats, tiny agent preset model, hf rollout, "
-          f"{os.cpu_count()} cores")
+    print(f"{n} trajectories a unit, {args.repeats} repeats, tiny agent preset model"
+          f"{' with ' + ' '.join(args.set) if args.set else ''}, hf rollout, {os.cpu_count()} cores")
     print(f"openai client alone: {alone:.2f} ms CPU a chat call; the environment arm: "
           f"{statistics.median(cpus['environment']) / n * 1e3:.2f} ms CPU a trajectory, model included")
     for arm, values in walls.items():
