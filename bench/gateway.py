@@ -24,7 +24,11 @@ client program can reach: the arms pay it on every call, the environment never d
 
 ``--set`` applies spec overrides to the preset, e.g. a larger model (``model.options.hidden_size``,
 ``num_layers``, ``intermediate_size``): the gateway's cost a call is the same whatever the model, so
-the ratios show how much of a unit it is once the model's own time grows.
+the ratios show how much of a unit it is once the model's own time grows. ``--device cuda``
+generates on an NVIDIA GPU (the programs and the gateway stay on the CPU, as in a run): issue 42's
+ratio where the model's time is a GPU's, e.g. ``python bench/gateway.py --device cuda
+--trajectories 1024 --set model.options.hidden_size=256 model.options.num_layers=4
+model.options.intermediate_size=1024 model.options.head_dim=64``.
 
 Arms alternate within each repeat (drift on a shared machine hits all alike), and each repeat
 starts one arm later than the one before: no arm always goes first (when the environment arm did,
@@ -218,6 +222,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process,async_raw",
                         help="the gateway arms to run, comma-separated (the environment arm always runs)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the hf rollout generates: cpu, or cuda on a machine with an NVIDIA GPU")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="spec overrides for the preset (e.g. model.options.hidden_size=256)")
     args = parser.parse_args()
@@ -234,6 +240,8 @@ def main() -> None:
     from relax.runtime.model_files import materialize_model
     from relax.spec.models import AgentSpec, GatewaySpec
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: this machine has no CUDA GPU that torch can use; run with --device cpu")
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))  # the programs: gateway:sync_program, gateway:async_program
     spec, _, base = testing.tiny_spec(Path(tempfile.mkdtemp(prefix="relax-gateway-bench-")), "bench",
@@ -241,7 +249,7 @@ def main() -> None:
     path = materialize_model(spec, base)
     registry = get_registry()
     rollout = registry.load(PluginKind.rollout, "hf")(registry.build_config(PluginKind.rollout, "hf", {}),
-                                                       rollout_context(spec, path))
+                                                       rollout_context(spec, path, args.device))
     environment = _calculator()
     agent = spec.roles.rollout.agent
     n = args.trajectories
@@ -289,7 +297,8 @@ def main() -> None:
             close()
     alone = client_alone_ms()
     print(f"{n} trajectories a unit, {args.repeats} repeats, tiny agent preset model"
-          f"{' with ' + ' '.join(args.set) if args.set else ''}, hf rollout, {os.cpu_count()} cores")
+          f"{' with ' + ' '.join(args.set) if args.set else ''}, hf rollout on {args.device}, "
+          f"{os.cpu_count()} cores")
     print(f"openai client alone: {alone:.2f} ms CPU a chat call; the environment arm: "
           f"{statistics.median(cpus['environment']) / n * 1e3:.2f} ms CPU a trajectory, model included")
     for arm, values in walls.items():
