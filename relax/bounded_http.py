@@ -58,25 +58,34 @@ class PerKeyBound:
         self._taken: dict[str, int] = {}
         self._guard = threading.Lock()
 
+    def take(self, key: str) -> bool:
+        """Count one request under ``key``; False (and nothing counted) when ``limit`` are in flight."""
+        with self._guard:
+            taken = self._taken.get(key, 0)
+            if taken >= self.limit:
+                return False
+            self._taken[key] = taken + 1
+            return True
+
+    def give(self, key: str) -> None:
+        """Uncount a request ``take`` counted."""
+        with self._guard:
+            left = self._taken[key] - 1
+            if left:
+                self._taken[key] = left
+            else:
+                del self._taken[key]
+
     @contextlib.contextmanager
     def slot(self, key: str) -> Iterator[bool]:
         """Count one request under ``key`` while the block runs; yields False (and counts nothing)
         when ``limit`` are in flight already."""
-        with self._guard:
-            taken = self._taken.get(key, 0)
-            granted = taken < self.limit
-            if granted:
-                self._taken[key] = taken + 1
+        granted = self.take(key)
         try:
             yield granted
         finally:
             if granted:
-                with self._guard:
-                    left = self._taken[key] - 1
-                    if left:
-                        self._taken[key] = left
-                    else:
-                        del self._taken[key]
+                self.give(key)
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):

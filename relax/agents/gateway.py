@@ -87,6 +87,7 @@ from relax.agents.gateway_http import (
     register,
     unregister,
 )
+from relax.agents.program_processes import Outcome, ProgramProcesses, ProgramRaised, checked_reward
 from relax.agents.runner import AgentLimits, BackendFailure, GenerationBatcher
 from relax.agents.tool_calls import parse_tool_calls, resolve_format, turn_text
 from relax.agents.trajectory import Trajectory
@@ -206,6 +207,10 @@ class ProgramDriver:
         self.name = gateway.program
         self.program = load_program(gateway.program)
         self.host, self.port = gateway.host, gateway.port
+        self._processes = ProgramProcesses(gateway.program, gateway.processes, self.serving_routes) \
+            if gateway.processes else None
+        """The worker processes the program runs in (``roles.rollout.agent.gateway.processes``), or None:
+        in this process."""
         self.tokenizer = backend.tokenizer
         self.limits, self.version, self.telemetry = limits, version, telemetry
         self.max_prompt_tokens = max_prompt_tokens
@@ -255,6 +260,8 @@ class ProgramDriver:
                 host = f"[{host}]" if ":" in host else host
                 self.base_url = f"http://{host}:{server.server_address[1]}/v1"
                 register(self.base_url, self)
+                if self._processes is not None:  # they import the program meanwhile; the first run waits
+                    self._processes.start()
             return self.base_url
 
     def close(self) -> None:
@@ -263,6 +270,8 @@ class ProgramDriver:
             server, self._server = self._server, None
             loop, loop_thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None
             clients, self._clients = self._clients, {}
+        if self._processes is not None:  # before the server: a program's last calls still reach it
+            self._processes.close()
         if server is not None:
             unregister(self.base_url, self)
             server.close()
@@ -285,15 +294,23 @@ class ProgramDriver:
                 self._loop, self._loop_thread = loop, thread
             return self._loop
 
-    def _run_program(self, session: _Session, task: AgentTask, base_url: str, key: str) -> Any:
-        """Run the program (an ``async def`` one on the driver's one event loop, a plain one on a
-        thread of its own) within its time limit, and meanwhile serve the calls the server hands
-        to the trajectory (``dispatch``) on this thread, the trajectory's: thousands of concurrent
-        trajectories then cost no server thread each. Its result, or ``EnvironmentFailure`` (from
-        the program's exception; without a cause past the limit, a coroutine then cancelled)."""
+    def _run_program(self, session: _Session, task: AgentTask, base_url: str, key: str) -> Outcome:
+        """Run the program (in a worker process; else an ``async def`` one on the driver's one event
+        loop, a plain one on a thread of its own) within its time limit, and meanwhile serve the
+        calls the server hands to the trajectory (``dispatch``) on this thread, the trajectory's:
+        thousands of concurrent trajectories then cost no server thread each. Its checked outcome,
+        or ``EnvironmentFailure`` (from the program's exception; without a cause past the limit, a
+        coroutine then cancelled)."""
         box: dict[str, Any] = {}
         future: concurrent.futures.Future | None = None
-        if self._async:
+        cancel: Callable[[], Any] | None = None
+        if self._processes is not None:
+            def done(outcome: Outcome) -> None:
+                box["outcome"] = outcome
+                session.work.put(None)
+
+            cancel = self._processes.run(task, base_url, key, done)
+        elif self._async:
             future = asyncio.run_coroutine_threadsafe(self.program(task, base_url, key), self._programs_loop())
             future.add_done_callback(lambda _: session.work.put(None))
         else:
@@ -322,7 +339,9 @@ class ProgramDriver:
             try:
                 item = session.work.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
-                if future is not None:
+                if cancel is not None:
+                    cancel()
+                elif future is not None:
                     future.cancel()
                 else:
                     release()
@@ -330,15 +349,21 @@ class ProgramDriver:
             if item is None:
                 break
             item()
+        if cancel is not None:
+            outcome = box["outcome"]
+            if outcome.raised is not None:
+                raise EnvironmentFailure(f"agent program {self.name} raised {outcome.raised}: {outcome.error}") \
+                    from ProgramRaised(outcome.raised, outcome.error or "", outcome.code)
+            return outcome
         if future is not None:
             try:
-                return future.result()
+                return checked_reward(future.result(), self.name)
             except Exception as exc:
                 raise EnvironmentFailure(f"agent program {self.name} raised {type(exc).__name__}: {exc}") from exc
         if "error" in box:
             error = box["error"]
             raise EnvironmentFailure(f"agent program {self.name} raised {type(error).__name__}: {error}") from error
-        return box.get("result")
+        return checked_reward(box.get("result"), self.name)
 
     def dispatch(self, key: str | None, work: Callable[[], Any], reply: Callable[[Any], None]) -> None:
         """Serve a call of the server: ``reply(work())`` on the thread of the trajectory ``key``
@@ -352,6 +377,10 @@ class ProgramDriver:
                     session.work.put(lambda: reply(work()))
                     return
         reply(work())
+
+    def program_pids(self) -> list[int]:
+        """The process ids of the program's worker processes running now (none without ``processes``)."""
+        return self._processes.pids() if self._processes is not None else []
 
     def in_process(self, sync: bool = True) -> Any:
         """The driver's in-process ``httpx2`` client (``relax.agents.gateway_http.http_client``)."""
@@ -371,12 +400,12 @@ class ProgramDriver:
         with self._lock:
             self._sessions[key] = session
         traj = session.traj
-        result: Any = None
+        outcome = Outcome()
         batcher.outside(+1)  # until its first call the program may take any time: the batcher does not wait for it
         session.outside = True
         started = time.perf_counter()
         try:
-            result = self._run_program(session, task, base_url, key)
+            outcome = self._run_program(session, task, base_url, key)
         except EnvironmentFailure as exc:
             if exc.__cause__ is None:  # the time limit (calls.py raises without a cause)
                 traj.error = (f"agent program {self.name}: ran past {self.timeout_s:g} s (roles.rollout.agent."
@@ -384,10 +413,11 @@ class ProgramDriver:
                 traj.cause = "program_timeout"
             elif session.ended is None:
                 cause = exc.__cause__
-                traj.error = f"agent program {self.name}: raised {type(cause).__name__}: {cause}"
+                raised_type = cause.type_name if isinstance(cause, ProgramRaised) else type(cause).__name__
+                traj.error = f"agent program {self.name}: raised {raised_type}: {cause}"
                 code = getattr(cause, "code", None)  # an API client's error for a refused call
                 code = code if isinstance(code, str) and code else session.refused
-                traj.cause = type(cause).__name__ + (f":{code}" if code else "")
+                traj.cause = raised_type + (f":{code}" if code else "")
             # else: the program stopped on the gateway's refusal of a call past a budget (truncated)
         finally:
             self._close(key, session)
@@ -398,15 +428,10 @@ class ProgramDriver:
         if session.failure is not None:
             raise session.failure
         if traj.error is None:
-            if isinstance(result, bool) or not (result is None or isinstance(result, (int, float))):
-                traj.error = (f"agent program {self.name}: returned a {type(result).__name__}; return the "
-                              "trajectory's reward (a float) or None (the reward plugins score it)")
-                traj.cause = "program_bad_return"
-            elif result is not None and not math.isfinite(float(result)):
-                traj.error = f"agent program {self.name}: returned the reward {result!r}; a reward is a finite float"
-                traj.cause = "program_bad_return"
-            elif result is not None:
-                traj.agent_reward = float(result)
+            if outcome.error is not None:
+                traj.error, traj.cause = outcome.error, outcome.cause
+            elif outcome.reward is not None:
+                traj.agent_reward = outcome.reward
             if traj.error is None and not traj.turns:
                 traj.error = (f"agent program {self.name}: returned without calling the model; it must call "
                               f"{base_url}/chat/completions with the API key it was given")

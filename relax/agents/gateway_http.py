@@ -42,11 +42,19 @@ from relax.agents.wire_formats import Api, Event, GatewayError, sse
 from relax.bounded_http import PerKeyBound, content_length
 
 
-class Served(Protocol):
-    """What the server needs of the agent side (``relax.agents.gateway.ProgramDriver`` is the one):
-    named here so that the server does not import the driver that starts it."""
+class Reachable(Protocol):
+    """What an in-process client needs of a gateway: the driver itself, or in an agent program's
+    worker process the channel back to it (``relax.agents.program_processes``)."""
 
     base_url: str
+
+    def in_process(self, sync: bool = True) -> Any:
+        """The shared in-process ``httpx2`` client (``http_client``)."""
+
+
+class Served(Reachable, Protocol):
+    """What the server needs of the agent side (``relax.agents.gateway.ProgramDriver`` is the one):
+    named here so that the server does not import the driver that starts it."""
 
     def check_key(self, key: str | None) -> None:
         """Raise ``GatewayError`` (401) unless ``key`` names a live trajectory."""
@@ -62,9 +70,6 @@ class Served(Protocol):
 
     def serving_routes(self) -> Routes | None:
         """The routes of the running socket server, if one runs (in-process clients share its bound)."""
-
-    def in_process(self, sync: bool = True) -> Any:
-        """The driver's shared in-process ``httpx2`` client (``http_client``)."""
 
 
 #: The routes the gateway answers, each with the wire format it speaks.
@@ -224,6 +229,27 @@ class Routes:
             if not granted:
                 return self.busy(key, self.api(path))
             return self.handle(method, path, headers, raw)
+
+    def call_dispatched(self, method: str, path: str, headers: dict[str, str], raw: bytes,
+                        reply: Callable[[Answer], None]) -> None:
+        """A whole request from an agent program's worker process (``relax.agents.program_processes``):
+        its model call served on the trajectory's thread, its answer handed to ``reply`` there."""
+        length, refusal = self.admit(method, path, headers)
+        if refusal is not None or method == "GET":
+            reply(refusal or self.handle(method, path, headers, raw))
+            return
+        key = key_of(headers) or ""
+        if not self._per_key.take(key):
+            reply(self.busy(key, self.api(path)))
+            return
+
+        def work() -> Answer:
+            try:
+                return self.handle(method, path, headers, raw)
+            finally:
+                self._per_key.give(key)
+
+        self.driver.dispatch(key, work, reply)
 
     async def call_async(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
         """A whole request, its model call served on the trajectory's thread (the async transport)."""
@@ -451,23 +477,23 @@ class GatewayServer:
 
 # -- in process ------------------------------------------------------------------------------------
 
-_LIVE: dict[str, Served] = {}
+_LIVE: dict[str, Reachable] = {}
 """The drivers serving in this process, by base URL (``http_client`` finds its gateway here)."""
 _LIVE_LOCK = threading.Lock()
 
 
-def register(base_url: str, driver: Served) -> None:
+def register(base_url: str, driver: Reachable) -> None:
     with _LIVE_LOCK:
         _LIVE[base_url] = driver
 
 
-def unregister(base_url: str, driver: Served) -> None:
+def unregister(base_url: str, driver: Reachable) -> None:
     with _LIVE_LOCK:
         if _LIVE.get(base_url) is driver:
             del _LIVE[base_url]
 
 
-def _driver(base_url: str) -> Served:
+def _driver(base_url: str) -> Reachable:
     with _LIVE_LOCK:
         driver = _LIVE.get(str(base_url).rstrip("/"))
     if driver is None:
@@ -491,15 +517,17 @@ def async_http_client(base_url: str) -> Any:
     return _driver(base_url).in_process(sync=False)
 
 
+def request_parts(request: Any) -> tuple[str, str, dict[str, str]]:
+    """An ``httpx2`` request's method, path and lower-cased headers, as the routes take them."""
+    headers = {name.lower(): value for name, value in request.headers.items()}
+    return request.method, request.url.raw_path.decode("ascii", "replace"), headers
+
+
 def in_process_client(driver: Served, sync: bool) -> Any:
     """A new ``httpx2`` client whose transport is the driver's routes (``http_client``)."""
     import httpx2
 
     routes = driver.serving_routes() or Routes(driver)
-
-    def request_of(request: Any) -> tuple[str, str, dict[str, str]]:
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        return request.method, request.url.raw_path.decode("ascii", "replace"), headers
 
     def response_of(answer: Answer, request: Any) -> Any:
         headers = [(name.decode(), value.decode()) for name, value in answer.head()]
@@ -509,14 +537,14 @@ def in_process_client(driver: Served, sync: bool) -> Any:
         """Serves each request on the calling (program's) thread."""
 
         def handle_request(self, request: Any) -> Any:
-            method, path, headers = request_of(request)
+            method, path, headers = request_parts(request)
             return response_of(routes.call(method, path, headers, request.read()), request)
 
     class AsyncTransport(httpx2.AsyncBaseTransport):
         """Serves each request's model call on the trajectory's thread; the loop never blocks."""
 
         async def handle_async_request(self, request: Any) -> Any:
-            method, path, headers = request_of(request)
+            method, path, headers = request_parts(request)
             raw = await request.aread()
             return response_of(await routes.call_async(method, path, headers, raw), request)
 

@@ -384,6 +384,11 @@ class GatewaySpec(Section):
     """Address the endpoint listens on; loopback by default (set 0.0.0.0 only inside a trusted network)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the endpoint; 0 picks a free one."""
+    processes: int = Field(0, ge=0, le=256)
+    """Worker processes the program runs in (``relax.agents.program_processes``): each has its own
+    interpreter, so programs that spend CPU a call (an agent framework, the ``openai`` client) do not
+    take turns with the gateway and the model. 0: in the rollout worker's own process (a thread
+    each for a plain program, one event loop for ``async def`` ones)."""
 
     @field_validator("program")
     @classmethod

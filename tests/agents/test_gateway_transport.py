@@ -26,7 +26,8 @@ SEEN: dict[str, dict] = {}
 CLIENTS: dict[str, openai.OpenAI] = {}
 
 
-def _tool_loop(client: openai.OpenAI, task: AgentTask) -> dict:
+def tool_loop(client: openai.OpenAI, task: AgentTask) -> dict:
+    """Two turns: the model's tool call, answered 42, then its reply (streamed for the label ``stream``)."""
     messages: list = [{"role": "user", "content": task.prompt}]
     first = _streamed_chat(client, messages, task.label == "stream")
     messages.append({"role": "assistant", "content": first["content"], "tool_calls": [
@@ -37,17 +38,18 @@ def _tool_loop(client: openai.OpenAI, task: AgentTask) -> dict:
 
 def socket_program(task: AgentTask, base_url: str, api_key: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
-    SEEN[task.trajectory_id] = _tool_loop(client, task)
+    SEEN[task.trajectory_id] = tool_loop(client, task)
 
 
 def in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
     """The shared-client pattern without a socket: one client per gateway, a key per trajectory."""
     shared = CLIENTS.get(base_url) or CLIENTS.setdefault(base_url, openai.OpenAI(
         base_url=base_url, api_key="-", max_retries=0, http_client=gateway_http.http_client(base_url)))
-    SEEN[task.trajectory_id] = _tool_loop(shared.with_options(api_key=api_key), task)
+    SEEN[task.trajectory_id] = tool_loop(shared.with_options(api_key=api_key), task)
 
 
-async def async_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
+async def async_tool_loop(task: AgentTask, base_url: str, api_key: str) -> dict:
+    """Two turns with ``openai.AsyncOpenAI`` and the async in-process client: a tool call, answered 42."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                 http_client=gateway_http.async_http_client(base_url))
     messages: list = [{"role": "user", "content": task.prompt}]
@@ -55,10 +57,15 @@ async def async_in_process_program(task: AgentTask, base_url: str, api_key: str)
     (call,) = first.choices[0].message.tool_calls
     messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
     second = await client.chat.completions.create(model="m", messages=messages, tools=[CHAT_TOOL])
-    SEEN[task.trajectory_id] = {"answer": second.choices[0].message.content}
+    return {"answer": second.choices[0].message.content}
 
 
-def anthropic_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
+async def async_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
+    SEEN[task.trajectory_id] = await async_tool_loop(task, base_url, api_key)
+
+
+def anthropic_loop(task: AgentTask, base_url: str, api_key: str) -> dict:
+    """Two turns with the ``anthropic`` client and the in-process client: a tool use, answered 42."""
     client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0,
                                  http_client=gateway_http.http_client(base_url))
     messages: list = [{"role": "user", "content": task.prompt}]
@@ -67,7 +74,11 @@ def anthropic_in_process_program(task: AgentTask, base_url: str, api_key: str) -
     messages += [{"role": "assistant", "content": first.content},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}]
     second = client.messages.create(model="m", max_tokens=100, messages=messages, tools=[ANTHROPIC_TOOL])
-    SEEN[task.trajectory_id] = {"answer": second.content[0].text}
+    return {"answer": second.content[0].text}
+
+
+def anthropic_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
+    SEEN[task.trajectory_id] = anthropic_loop(task, base_url, api_key)
 
 
 def _run(rollout, program: str, labels: list[str]):

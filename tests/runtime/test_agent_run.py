@@ -116,10 +116,12 @@ def test_trajectories_that_only_truncate_get_one_hint_naming_the_budget(local_ra
 
 
 def test_an_agent_program_drives_the_policy_through_the_gateway(local_ray, tmp_path: Path) -> None:
-    # The same task, driven by a program written against the OpenAI client instead of an environment.
+    # The same task, driven by a program written against the OpenAI client instead of an environment,
+    # run in two worker processes of the rollout actor (the other gateway runs keep programs in it).
     code, rows, _ = run(tmp_path, "gateway", "trainer.steps=2", "placement.mode=colocate",
                         "async_policy.max_staleness=0", "roles.rollout.agent.environment=null",
-                        "roles.rollout.agent.gateway.program=tests.agents.calculator_program:solve")
+                        "roles.rollout.agent.gateway.program=tests.agents.calculator_program:solve",
+                        "roles.rollout.agent.gateway.processes=2")
     assert code == 0, rows
     assert len(rows) == 2
     for row in rows:

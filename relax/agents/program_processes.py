@@ -1,0 +1,451 @@
+"""Agent programs run in worker processes (``roles.rollout.agent.gateway.processes``).
+
+Why: in the driver's process every program shares one interpreter lock with the gateway and the
+rollout backend's own Python. An agent framework spends real CPU a call (the ``openai`` client
+about 1 ms to build a request and parse its reply), so a thousand programs there make the rollout
+wait for them: on the 2-core box the in-process arms of ``bench/gateway.py`` took 1.6x (async) to
+2x (sync) the built-in environment's time a unit with the tiny model, while the gateway's own
+share stayed near 1.1x. With ``processes: N`` the programs run in N worker processes, each with its
+own interpreter, and the driver's process keeps only the gateway and the model.
+
+A worker reaches the gateway two ways, and a program needs no change for either:
+
+- over loopback HTTP at ``base_url``, like any client (a program that builds its own client);
+- through ``relax.agents.gateway_http.http_client(base_url)`` / ``async_http_client``: in a
+  worker these give a client whose requests travel over the worker's channel to the driver and are
+  answered by the same routes (the key checked, the per-key bound, the model call served on the
+  trajectory's thread); no socket, no HTTP parsing on either side.
+
+The channel is a socket pair carrying pickled tuples (both ends are this package's own code):
+
+- driver to worker: ``("run", id, task, base_url, key)``, ``("cancel", id)``, ``("answer", call,
+  status, headers, body)``, ``("stop",)``;
+- worker to driver: ``("ready",)`` or ``("broken", why)`` once the program is imported, ``("call",
+  call, method, path, headers, body)``, ``("done", id, outcome)``.
+
+A program's outcome crosses as plain values (``Outcome``): its checked reward, or its exception's
+type name, message and error code. A worker that dies (a crash, ``os._exit`` in a program) fails
+the trajectories it was running with ``program_process_exited`` and is started again for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import math
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from relax.agents.gateway_http import Answer, register, request_parts
+from relax.agents.wire_formats import GatewayError
+
+#: Seconds a new worker may take to import the program before the run fails with that.
+START_TIMEOUT_S = 120.0
+#: Seconds a worker is given to exit after ``stop`` before it is killed.
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a program run in a worker ended, as plain values.
+
+    ``reward`` (None: the reward plugins score it) when it returned one, else ``error``: the text the
+    trajectory keeps, with ``raised`` (the exception's type name) and ``code`` (an API client
+    error's code) when it raised, or ``cause`` (``program_bad_return``) when it returned something
+    that is not a reward."""
+
+    reward: float | None = None
+    error: str | None = None
+    raised: str | None = None
+    code: str | None = None
+    cause: str | None = None
+
+
+class ProgramRaised(Exception):
+    """A program in a worker raised: its exception's type name, message and code, as the driver's
+    own programs' exceptions are reported (``ProgramDriver.episode``)."""
+
+    def __init__(self, type_name: str, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.type_name, self.code = type_name, code
+
+
+def checked_reward(result: Any, name: str) -> Outcome:
+    """What a program returned, checked: a finite float or None is its reward; anything else an error."""
+    if isinstance(result, bool) or not (result is None or isinstance(result, (int, float))):
+        return Outcome(error=f"agent program {name}: returned a {type(result).__name__}; return the "
+                             "trajectory's reward (a float) or None (the reward plugins score it)",
+                       cause="program_bad_return")
+    if result is not None and not math.isfinite(float(result)):
+        return Outcome(error=f"agent program {name}: returned the reward {result!r}; a reward is a finite float",
+                       cause="program_bad_return")
+    return Outcome(reward=None if result is None else float(result))
+
+
+def raised(exc: BaseException) -> Outcome:
+    code = getattr(exc, "code", None)
+    return Outcome(error=str(exc), raised=type(exc).__name__, code=code if isinstance(code, str) and code else None)
+
+
+class Channel:
+    """One end of a worker's socket pair: ``send`` from any thread, and a reader thread that hands
+    each message to ``on_message`` until the other end closes (then ``on_closed``)."""
+
+    def __init__(self, connection: Connection, on_message: Callable[[tuple], None],
+                 on_closed: Callable[[], None], name: str) -> None:
+        self._connection = connection
+        self._send_lock = threading.Lock()
+        self._on_message, self._on_closed = on_message, on_closed
+        self._reader = threading.Thread(target=self._read, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def send(self, message: tuple) -> bool:
+        """Send ``message``; False when the other end has gone (the reader reports it)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._connection.send_bytes(data)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def _read(self) -> None:
+        try:
+            while True:
+                try:
+                    data = self._connection.recv_bytes()
+                except (EOFError, OSError):
+                    return
+                self._on_message(pickle.loads(data))
+        finally:
+            self._on_closed()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._connection.close()
+
+
+# -- the driver's side -------------------------------------------------------------------------------
+
+
+class _Worker:
+    """One worker process, its channel, and the runs it has not finished."""
+
+    def __init__(self, index: int, ref: str, on_call: Callable[[_Worker, tuple], None]) -> None:
+        self.index = index
+        self.runs: dict[int, Callable[[Outcome], None]] = {}
+        self.lock = threading.Lock()
+        self.alive = True
+        self._ready = threading.Event()
+        self._broken: str | None = None
+        self._on_call = on_call
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            mine, child = os.dup(ours.fileno()), os.dup(theirs.fileno())
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from relax.agents.program_processes import main; main()", str(child), ref,
+                 json.dumps(sys.path)],
+                pass_fds=(child,), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(child)
+        self.channel = Channel(Connection(mine), self._message, self._closed,
+                               name=f"relax-agent-program-process-{index}")
+        self.channel.start()
+
+    def wait_ready(self, ref: str) -> None:
+        from relax.agents.gateway import ProgramError
+
+        if not self._ready.wait(START_TIMEOUT_S):
+            self.stop()
+            raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: its worker process did not start "
+                               f"within {START_TIMEOUT_S:g} s")
+        if self._broken is not None:
+            self.stop()
+            raise ProgramError(self._broken)
+
+    def _message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "call":
+            self._on_call(self, message)
+        elif kind == "done":
+            with self.lock:
+                done = self.runs.pop(message[1], None)
+            if done is not None:
+                done(message[2])
+        elif kind == "ready":
+            self._ready.set()
+        elif kind == "broken":
+            self._broken = message[1]
+            self._ready.set()
+
+    def _closed(self) -> None:
+        """The worker is gone: every run it had fails (nothing waits for an answer that cannot come)."""
+        code = self.process.wait()
+        with self.lock:
+            self.alive = False
+            runs, self.runs = self.runs, {}
+        if self._broken is None and not self._ready.is_set():
+            self._broken = f"the agent program's worker process exited with code {code} before it started"
+        self._ready.set()
+        for done in runs.values():
+            done(Outcome(error=f"the agent program's worker process exited with code {code} while it ran "
+                               "this trajectory", cause="program_process_exited"))
+
+    def run(self, run: int, message: tuple, done: Callable[[Outcome], None]) -> bool:
+        with self.lock:
+            if not self.alive:
+                return False
+            self.runs[run] = done
+        if not self.channel.send(message):
+            with self.lock:
+                self.runs.pop(run, None)
+            return False
+        return True
+
+    def stop(self) -> None:
+        self.channel.send(("stop",))
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.channel.close()
+
+
+class ProgramProcesses:
+    """The worker processes of one ``ProgramDriver``: runs are spread over them (the least busy
+    first), and their in-process clients' calls are answered by ``routes``."""
+
+    def __init__(self, ref: str, count: int, routes: Callable[[], Any]) -> None:
+        self.ref, self.count = ref, count
+        self._routes = routes
+        self._workers: list[_Worker | None] = [None] * count
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start every worker not running (at once: they import the program side by side)."""
+        with self._lock:
+            fresh = [self._start(index) for index, worker in enumerate(self._workers)
+                     if worker is None or not worker.alive]
+        for worker in fresh:
+            worker.wait_ready(self.ref)
+
+    def _start(self, index: int) -> _Worker:
+        worker = self._workers[index] = _Worker(index, self.ref, self._call)
+        return worker
+
+    def run(self, task: Any, base_url: str, key: str, done: Callable[[Outcome], None]) -> Callable[[], Any]:
+        """Start the program for one trajectory; ``done`` gets its outcome (on a channel's thread).
+        Returns what cancels it (past its time limit)."""
+        run = next(self._ids)
+        try:
+            message = pickle.dumps(("run", run, task, base_url, key), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            done(Outcome(error=f"the trajectory's task cannot be sent to the agent program's worker process "
+                               f"({type(exc).__name__}: {exc}); keep the data row's values plain (text, numbers, "
+                               "lists, dicts)", cause="program_task_unsendable"))
+            return lambda: None
+        for _ in range(2):  # a worker found dead is started again once
+            with self._lock:
+                live = [w for w in self._workers if w is not None and w.alive]
+                if len(live) < self.count:
+                    dead = next(i for i, w in enumerate(self._workers) if w is None or not w.alive)
+                    worker = self._start(dead)
+                else:
+                    worker = min(live, key=lambda w: len(w.runs))
+            worker.wait_ready(self.ref)
+            if worker.run(run, pickle.loads(message), done):
+                return lambda: worker.channel.send(("cancel", run))
+        done(Outcome(error="the agent program's worker process could not be started for this trajectory",
+                     cause="program_process_exited"))
+        return lambda: None
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers running now."""
+        with self._lock:
+            return [w.process.pid for w in self._workers if w is not None and w.alive]
+
+    def _call(self, worker: _Worker, message: tuple) -> None:
+        """A worker's in-process client made a request: answer it through the routes."""
+        _, call, method, path, headers, body = message
+
+        def reply(answer: Any) -> None:
+            head = [(name.decode(), value.decode()) for name, value in answer.head()]
+            worker.channel.send(("answer", call, answer.status, head, b"".join(answer.chunks())))
+
+        routes = self._routes()
+        if routes is None:  # the gateway is stopping: the program's call gets what a socket would
+            reply(Answer(503, GatewayError(503, "the Relax gateway is stopping", kind="server_error",
+                                           code="server_busy").body()))
+            return
+        routes.call_dispatched(method, path, headers, body, reply)
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = self._workers, [None] * self.count
+        for worker in workers:
+            if worker is not None:
+                worker.stop()
+
+
+# -- the worker's side -------------------------------------------------------------------------------
+
+
+class _Gateway:
+    """The gateway as a worker's programs see it: ``gateway_http.http_client(base_url)`` finds this
+    (registered under the base URL) and gets a client whose transport is the channel."""
+
+    def __init__(self, base_url: str, channel: Channel, calls: dict[int, concurrent.futures.Future]) -> None:
+        self.base_url = base_url
+        self._channel, self._calls = channel, calls
+        self._ids = itertools.count()
+        self._clients: dict[bool, Any] = {}
+        self._lock = threading.Lock()
+
+    def request(self, method: str, path: str, headers: dict[str, str], body: bytes) -> concurrent.futures.Future:
+        call = next(self._ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls[call] = future
+        if not self._channel.send(("call", call, method, path, headers, body)):
+            self._calls.pop(call, None)
+            future.set_exception(ConnectionError("the Relax gateway's process has gone"))
+        return future
+
+    def in_process(self, sync: bool = True) -> Any:
+        with self._lock:
+            client = self._clients.get(sync)
+            if client is None:
+                client = self._clients[sync] = _channel_client(self, sync)
+            return client
+
+
+def _channel_client(gateway: _Gateway, sync: bool) -> Any:
+    import httpx2
+
+    def response(answered: tuple, request: Any) -> Any:
+        status, headers, content = answered
+        return httpx2.Response(status, headers=headers, content=content, request=request)
+
+    class Transport(httpx2.BaseTransport):
+        def handle_request(self, request: Any) -> Any:
+            return response(gateway.request(*request_parts(request), request.read()).result(), request)
+
+    class AsyncTransport(httpx2.AsyncBaseTransport):
+        async def handle_async_request(self, request: Any) -> Any:
+            body = await request.aread()
+            return response(await asyncio.wrap_future(gateway.request(*request_parts(request), body)), request)
+
+    if sync:
+        return httpx2.Client(transport=Transport(), base_url=gateway.base_url, timeout=None)
+    return httpx2.AsyncClient(transport=AsyncTransport(), base_url=gateway.base_url, timeout=None)
+
+
+def serve(fd: int, ref: str) -> None:
+    """A worker's life: import the program, then run what the driver sends until it says stop."""
+    import inspect
+
+    calls: dict[int, concurrent.futures.Future] = {}
+    runs: dict[int, Any] = {}
+    gateways: dict[str, _Gateway] = {}
+    stopped = threading.Event()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="relax-agent-programs", daemon=True).start()
+
+    def on_message(message: tuple) -> None:
+        kind = message[0]
+        if kind == "answer":
+            future = calls.pop(message[1], None)
+            if future is not None:
+                future.set_result(message[2:])
+        elif kind == "run":
+            start(*message[1:])
+        elif kind == "cancel":
+            running = runs.get(message[1])
+            if running is not None:
+                running.cancel()
+        elif kind == "stop":
+            stopped.set()
+
+    def on_closed() -> None:
+        for future in list(calls.values()):
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(ConnectionError("the Relax gateway's process has gone"))
+        stopped.set()
+
+    channel = Channel(Connection(fd), on_message, on_closed, name="relax-agent-program-channel")
+    try:
+        from relax.agents.gateway import load_program
+
+        program = load_program(ref)
+    except Exception as exc:
+        channel.send(("broken", str(exc)))
+        return
+    is_async = inspect.iscoroutinefunction(program)
+
+    def finish(run: int, outcome: Outcome) -> None:
+        runs.pop(run, None)
+        channel.send(("done", run, outcome))
+
+    def start(run: int, task: Any, base_url: str, key: str) -> None:
+        if base_url not in gateways:
+            gateways[base_url] = _Gateway(base_url, channel, calls)
+            register(base_url, gateways[base_url])
+        if is_async:
+            future = asyncio.run_coroutine_threadsafe(program(task, base_url, key), loop)
+            runs[run] = future
+            future.add_done_callback(lambda f: finish(run, _outcome_of(f, ref)))
+            return
+
+        def on_thread() -> None:
+            try:
+                result = program(task, base_url, key)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
+            except BaseException as exc:  # reported to the driver, never raised on this thread
+                finish(run, raised(exc))
+            else:
+                finish(run, checked_reward(result, ref))
+
+        threading.Thread(target=on_thread, name=f"agent-program-{run}", daemon=True).start()
+
+    channel.start()
+    channel.send(("ready",))
+    stopped.wait()
+    loop.call_soon_threadsafe(loop.stop)
+    channel.close()
+
+
+def _outcome_of(future: concurrent.futures.Future, ref: str) -> Outcome:
+    if future.cancelled():
+        return Outcome(error="cancelled past its time limit", raised="CancelledError")
+    exc = future.exception()
+    return raised(exc) if exc is not None else checked_reward(future.result(), ref)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def main() -> None:
+    """The worker process's entry (``python -c``, so that its classes pickle under this module's name)."""
+    sys.path[:] = json.loads(sys.argv[3])
+    serve(int(sys.argv[1]), sys.argv[2])
+    # Program threads still blocked on a call are abandoned with the process (as a driver's are).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
