@@ -1,12 +1,13 @@
 """The agent gateway against the built-in environment: the same task, three ways, side by side.
 
-    python bench/gateway.py [--trajectories 128] [--repeats 3] [--set model.options.hidden_size=256 ...]
+    python bench/gateway.py [--trajectories 128] [--repeats 3] [--arms async_in_process/2,...] [--timeline]
+                            [--set model.options.hidden_size=256 ...]
 
 Why: an agent program behind the gateway must not cost the run much over an environment plugin,
 or users keep their agents out of training (issue 42 measured 3.2x to 10x per step, with
 clients built per trajectory). On the tiny agent preset's model and task (``builtin:tiny-lm``
 trained for the calculator; ``347*58=``-style products) and the real ``hf`` rollout, one rollout
-unit of ``--trajectories`` trajectories is run, in this process, by:
+unit of ``--trajectories`` trajectories is run by:
 
 - **environment**: the built-in ``calculator`` environment (``EnvironmentDriver``);
 - **sync**: a plain ``def`` program with one ``openai.OpenAI`` client for the whole run
@@ -17,6 +18,11 @@ unit of ``--trajectories`` trajectories is run, in this process, by:
   ``http_client`` / ``async_http_client`` (``relax.agents.gateway_http``): no socket;
 - **async_raw**: the async program posting its JSON with the in-process ``httpx2`` client, without
   the ``openai`` client: what the gateway itself costs.
+
+An arm named ``<arm>/N`` runs its programs in N worker processes
+(``roles.rollout.agent.gateway.processes``, ``relax.agents.program_processes``); without it they
+run in this process, beside the gateway and the model. In a worker the in-process clients reach the
+gateway over the worker's channel; ``sync/N`` and ``async/N`` over loopback HTTP.
 
 Before the arms, the ``openai`` client alone is timed: a chat call with the same messages and tools
 against a transport that answers at once, no gateway behind it (CPU per call). It bounds what a
@@ -33,9 +39,11 @@ model.options.intermediate_size=1024 model.options.head_dim=64``.
 Arms alternate within each repeat (drift on a shared machine hits all alike), and each repeat
 starts one arm later than the one before: no arm always goes first (when the environment arm did,
 it once took 18% longer than the next arm to generate the same first 1,024-row batch). Printed per
-arm: the median wall seconds per unit and its range, turns per trajectory, and the most file
-descriptors and threads this process held during the unit (sampled every 10 ms), then the ratios
-gateway arm / environment (issue 42 asks for at most 1.5x).
+arm: the median wall seconds per unit and its range, this process's CPU seconds (the workers' are
+not counted), turns per trajectory, model batches, and the most file descriptors and threads this
+process and the arm's worker processes held together during the unit (sampled every 10 ms), then
+the ratios gateway arm / environment (issue 42 asks for at most 1.5x). ``--timeline`` prints each
+model batch of the last repeat: when it started, its rows and its seconds.
 """
 
 from __future__ import annotations
@@ -195,17 +203,26 @@ def client_alone_ms(calls: int = 300) -> float:
 
 
 class Held:
-    """The most file descriptors and threads this process holds while it runs (sampled)."""
+    """The most file descriptors and threads this process and the agent program processes
+    ``children`` names hold together while it runs (sampled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: list[int]) -> None:
+        self.children = children
         self.fds = self.threads = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.01):
-            self.fds = max(self.fds, len(os.listdir("/proc/self/fd")))
-            self.threads = max(self.threads, threading.active_count())
+            fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+            for pid in self.children:
+                try:
+                    fds += len(os.listdir(f"/proc/{pid}/fd"))
+                    threads += int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                        if line.startswith("Threads:")))
+                except (OSError, StopIteration, ValueError):
+                    continue  # it has just exited (a restarted worker)
+            self.fds, self.threads = max(self.fds, fds), max(self.threads, threads)
 
     def __enter__(self) -> Held:
         self._thread.start()
@@ -220,10 +237,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arms", default="sync,async,sync_in_process,async_in_process,async_raw",
-                        help="the gateway arms to run, comma-separated (the environment arm always runs)")
+    parser.add_argument("--arms", default="sync_in_process,async_in_process,async_raw,sync_in_process/2,"
+                                          "async_in_process/2,sync/2,async/2",
+                        help="the gateway arms to run, comma-separated, each with /N to run its programs in N "
+                             "worker processes (the environment arm always runs)")
     parser.add_argument("--device", default="cpu",
                         help="where the hf rollout generates: cpu, or cuda on a machine with an NVIDIA GPU")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print each model batch of the last repeat: when it started, its rows, its seconds")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="spec overrides for the preset (e.g. model.options.hidden_size=256)")
     args = parser.parse_args()
@@ -260,15 +281,21 @@ def main() -> None:
     drivers = {"environment": EnvironmentDriver(environment, "calculator", chat, limits, version=lambda: 0)}
     gateway_arms = tuple(arm for arm in args.arms.split(",") if arm)
     for arm in gateway_arms:
-        gateway = AgentSpec(gateway=GatewaySpec(program=f"gateway:{arm}_program"), max_turns=agent.max_turns,
-                            max_tokens=agent.max_tokens, concurrency=n)
+        program, _, processes = arm.partition("/")
+        gateway = AgentSpec(gateway=GatewaySpec(program=f"gateway:{program}_program", processes=int(processes or 0)),
+                            max_turns=agent.max_turns, max_tokens=agent.max_tokens, concurrency=n)
         drivers[arm] = ProgramDriver(gateway, rollout, limits, version=lambda: 0, max_prompt_tokens=max_prompt)
     rng = random.Random(0)
     tasks = [AgentTask(prompt=f"{rng.randint(100, 999)}*{rng.randint(10, 99)}=", label="", row={}, index=j,
                        sample=0, trajectory_id=f"0:{j}:0") for j in range(n)]
 
+    timeline: list[tuple[float, int, float]] = []
+
     def generate(prompts, seed):
-        return rollout.generate_tokens(prompts, rollout.context.sampling, seed)
+        started = time.perf_counter()
+        out = rollout.generate_tokens(prompts, rollout.context.sampling, seed)
+        timeline.append((started, len(prompts), time.perf_counter() - started))
+        return out
 
     for driver in drivers.values():  # warm the template, the model and the server
         run_trajectories(tasks[:4], driver, generate, 0)
@@ -282,11 +309,15 @@ def main() -> None:
     for repeat in range(args.repeats):
         for arm in order[repeat % len(order):] + order[:repeat % len(order)]:  # each repeat starts one arm later
             driver = drivers[arm]
-            with Held() as watch:
+            timeline.clear()
+            with Held(driver.program_pids() if isinstance(driver, ProgramDriver) else []) as watch:
                 started, cpu = time.perf_counter(), time.process_time()
                 batch = run_trajectories(tasks, driver, generate, 1 + repeat)
                 walls[arm].append(time.perf_counter() - started)
                 cpus[arm].append(time.process_time() - cpu)
+            if args.timeline and repeat == args.repeats - 1:
+                print(f"{arm}: " + ", ".join(f"{at - started:.2f} s: {rows} rows in {took:.2f} s"
+                                              for at, rows, took in timeline), flush=True)
             held[arm] = (max(held[arm][0], watch.fds), max(held[arm][1], watch.threads))
             turns[arm] = batch.stats["agent_turns"]
             failed[arm] = int(batch.stats["agent_failed"])
