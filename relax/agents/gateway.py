@@ -83,6 +83,7 @@ from relax.agents.gateway_http import (
     ROUTES,
     GatewayServer,
     Routes,
+    base_url_of,
     in_process_client,
     register,
     unregister,
@@ -207,7 +208,10 @@ class ProgramDriver:
         self.name = gateway.program
         self.program = load_program(gateway.program)
         self.host, self.port = gateway.host, gateway.port
-        self._processes = ProgramProcesses(gateway.program, gateway.processes, self.serving_routes) \
+        self.routes = Routes(self)
+        """The gateway's routes, whatever carries a request (a socket, an in-process client, a worker's channel)."""
+        self._processes = ProgramProcesses(gateway.program, gateway.processes, self.routes, host=gateway.host,
+                                           max_active=self._max_active(limits)) \
             if gateway.processes else None
         """The worker processes the program runs in (``roles.rollout.agent.gateway.processes``), or None:
         in this process."""
@@ -245,20 +249,22 @@ class ProgramDriver:
 
     # -- the server --------------------------------------------------------------------------------
 
+    @staticmethod
+    def _max_active(limits: AgentLimits) -> int:
+        """Requests a server serves at once: ``MAX_ACTIVE``, or twice the trajectories run at once."""
+        return max(MAX_ACTIVE, 2 * limits.concurrency)
+
     def start(self) -> str:
         """Start the endpoint if it is not running; its base URL (``http://host:port/v1``)."""
         with self._lock:
             if self._server is None:
                 try:
-                    server = GatewayServer(self, self.host, self.port,
-                                           max_active=max(MAX_ACTIVE, 2 * self.limits.concurrency))
+                    server = GatewayServer(self.routes, self.host, self.port, max_active=self._max_active(self.limits))
                 except OSError as exc:
                     raise RuntimeError(f"the agent gateway cannot listen on {self.host}:{self.port} ({exc}); set "
                                        "roles.rollout.agent.gateway.port to a free port, or 0 to pick one") from exc
                 self._server = server
-                host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-                host = f"[{host}]" if ":" in host else host
-                self.base_url = f"http://{host}:{server.server_address[1]}/v1"
+                self.base_url = base_url_of(self.host, server.server_address[1])
                 register(self.base_url, self)
                 if self._processes is not None:  # they import the program meanwhile; the first run waits
                     self._processes.start()
@@ -309,7 +315,7 @@ class ProgramDriver:
                 box["outcome"] = outcome
                 session.work.put(None)
 
-            cancel = self._processes.run(task, base_url, key, done)
+            cancel = self._processes.run(task, key, done)
         elif self._async:
             future = asyncio.run_coroutine_threadsafe(self.program(task, base_url, key), self._programs_loop())
             future.add_done_callback(lambda _: session.work.put(None))
@@ -467,9 +473,8 @@ class ProgramDriver:
         """Raise the 401 ``GatewayError`` unless ``key`` names a live trajectory (checked before a body is read)."""
         self._session(key)
 
-    def serving_routes(self) -> Routes | None:
-        server = self._server
-        return server.routes if server is not None else None
+    def serving_routes(self) -> Routes:
+        return self.routes
 
     def _session(self, key: str | None) -> _Session:
         with self._lock:

@@ -26,14 +26,15 @@ program running in the driver's process straight to the same routes: no socket, 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import h11
@@ -68,8 +69,9 @@ class Served(Reachable, Protocol):
     def dispatch(self, key: str | None, work: Callable[[], Any], reply: Callable[[Any], None]) -> None:
         """Run ``work`` where the key's calls are served, and hand its result to ``reply``."""
 
-    def serving_routes(self) -> Routes | None:
-        """The routes of the running socket server, if one runs (in-process clients share its bound)."""
+    def serving_routes(self) -> Routes:
+        """The driver's routes (every transport's: the socket's, the in-process clients', the
+        program workers' channels), so that they share one per-key bound."""
 
 
 #: The routes the gateway answers, each with the wire format it speaks.
@@ -120,6 +122,28 @@ class Answer:
             yield json.dumps(self.body).encode("utf-8")
 
 
+@dataclass
+class Relayed(Answer):
+    """An answer made elsewhere (by the driver, for a program worker's own server), sent on as it
+    came: its headers and its whole body."""
+
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    content: bytes = b""
+
+    def head(self) -> list[tuple[bytes, bytes]]:
+        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers]
+
+    def chunks(self) -> Iterator[bytes]:
+        yield self.content
+
+
+def base_url_of(host: str, port: int) -> str:
+    """The base URL a program is given for a server listening on ``host:port`` (a wildcard address
+    is reached on loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
 def key_of(headers: dict[str, str]) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header (OpenAI clients) or of ``x-api-key``
     (Anthropic clients), or None. ``headers`` has lower-case names."""
@@ -135,14 +159,9 @@ def no_route(method: str, path: str) -> GatewayError:
                         code="not_found")
 
 
-class Routes:
-    """The gateway's HTTP semantics, whatever carries the request (a socket, or an in-process
-    transport): the key and the body's size before the body, the per-key bound, then the route."""
-
-    def __init__(self, driver: Served, max_per_key: int = MAX_CALLS_PER_KEY) -> None:
-        self.driver = driver
-        self.max_per_key = max_per_key
-        self._per_key = PerKeyBound(max_per_key)
+class Admission(abc.ABC):
+    """What a server does with a request: admit it before its body is read (the route, the key, the
+    body's size), then answer it."""
 
     def admit(self, method: str, path: str, headers: dict[str, str]) -> tuple[int | None, Answer | None]:
         """Before the body: the number of body bytes to read, or the answer (the connection then
@@ -153,7 +172,7 @@ class Routes:
         if method != "POST":
             return None, self.refuse(no_route(method, path), api, close=True)
         try:
-            self.driver.check_key(key_of(headers))
+            self.check_key(key_of(headers))
             length, why = content_length(headers_cased(headers), MAX_BODY_BYTES)
             if length is None:
                 raise (GatewayError(413, f"{why}; send a smaller request (the whole conversation so far, "
@@ -164,12 +183,35 @@ class Routes:
             return None, self.refuse(exc, api, close=True)
         return length, None
 
-    def api(self, path: str) -> Api | None:
+    @abc.abstractmethod
+    def check_key(self, key: str | None) -> None:
+        """Raise the 401 ``GatewayError`` for a key no call may be served under."""
+
+    @abc.abstractmethod
+    async def answer(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
+        """The answer to a whole request, awaited on a server's event loop (which no call blocks)."""
+
+    @staticmethod
+    def api(path: str) -> Api | None:
         return ROUTES.get(path.split("?", 1)[0].rstrip("/"))
 
     @staticmethod
     def refuse(exc: GatewayError, api: Api | None, close: bool = False) -> Answer:
         return Answer(exc.status, exc.body(api), close=close)
+
+
+class Routes(Admission):
+    """The gateway's HTTP semantics, whatever carries the request (a socket, an in-process
+    transport, a program worker's channel): the key and the body's size before the body, the
+    per-key bound, then the route."""
+
+    def __init__(self, driver: Served, max_per_key: int = MAX_CALLS_PER_KEY) -> None:
+        self.driver = driver
+        self.max_per_key = max_per_key
+        self._per_key = PerKeyBound(max_per_key)
+
+    def check_key(self, key: str | None) -> None:
+        self.driver.check_key(key)
 
     def key_slot(self, key: str) -> contextlib.AbstractContextManager[bool]:
         """Count one request in flight under ``key`` while the block runs; False (and nothing
@@ -206,16 +248,15 @@ class Routes:
         return Answer(429, GatewayError(429, f"{self.max_per_key} calls of this trajectory are in flight already; "
                                              "wait for one to answer", code="rate_limit_exceeded").body(api))
 
-    async def answer(self, method: str, path: str, headers: dict[str, str], raw: bytes,
-                     run: Callable[[str | None, Callable[[], Answer]], Awaitable[Answer]]) -> Answer:
-        """``handle`` for an event loop: the blocking part is handed to ``run`` (the key's thread)."""
+    async def answer(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
+        """``handle`` for an event loop: the blocking part runs on the key's trajectory's thread."""
         if method == "GET":  # /v1/models: no model call, answered at once
             return self.handle(method, path, headers, raw)
         key = key_of(headers)
         with self.key_slot(key or "") as granted:
             if not granted:
                 return self.busy(key, self.api(path))
-            return await run(key, lambda: self.handle(method, path, headers, raw))
+            return await dispatched(self.driver, key, lambda: self.handle(method, path, headers, raw))
 
     def call(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
         """A whole request served on the calling thread (the sync in-process transport)."""
@@ -256,7 +297,7 @@ class Routes:
         length, refusal = self.admit(method, path, headers)
         if refusal is not None:
             return refusal
-        return await self.answer(method, path, headers, raw, lambda key, work: dispatched(self.driver, key, work))
+        return await self.answer(method, path, headers, raw)
 
 
 def _quiet_cancel(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -300,10 +341,11 @@ def headers_cased(headers: dict[str, str]) -> _Cased:
 
 
 class GatewayServer:
-    """The asyncio HTTP/1.1 server of one ``ProgramDriver``, on its own event loop thread."""
+    """The asyncio HTTP/1.1 server of one ``ProgramDriver`` (or of one of its program worker
+    processes, whose routes forward each call to it), on its own event loop thread."""
 
-    def __init__(self, driver: Served, host: str, port: int, max_active: int = MAX_ACTIVE) -> None:
-        self.routes = Routes(driver)
+    def __init__(self, routes: Admission, host: str, port: int, max_active: int = MAX_ACTIVE) -> None:
+        self.routes = routes
         self.max_active, self.max_open = max_active, MAX_OPEN
         self.idle_timeout_s, self.read_timeout_s = IDLE_TIMEOUT_S, READ_TIMEOUT_S
         self.open = 0
@@ -448,16 +490,13 @@ class GatewayServer:
                         break
                     else:
                         return
-                answer = await self.routes.answer(method, path, headers, bytes(raw), self._dispatch)
+                answer = await self.routes.answer(method, path, headers, bytes(raw))
             finally:
                 self.active -= 1
             await self._send(conn, writer, answer)
             if answer.close or conn.our_state is h11.MUST_CLOSE:
                 return
             conn.start_next_cycle()
-
-    async def _dispatch(self, key: str | None, work: Callable[[], Answer]) -> Answer:
-        return await dispatched(self.routes.driver, key, work)
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, answer: Answer) -> None:
         headers = answer.head()
@@ -527,7 +566,7 @@ def in_process_client(driver: Served, sync: bool) -> Any:
     """A new ``httpx2`` client whose transport is the driver's routes (``http_client``)."""
     import httpx2
 
-    routes = driver.serving_routes() or Routes(driver)
+    routes = driver.serving_routes()
 
     def response_of(answer: Answer, request: Any) -> Any:
         headers = [(name.decode(), value.decode()) for name, value in answer.head()]

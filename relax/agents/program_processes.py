@@ -8,19 +8,23 @@ wait for them: on the 2-core box the in-process arms of ``bench/gateway.py`` too
 share stayed near 1.1x. With ``processes: N`` the programs run in N worker processes, each with its
 own interpreter, and the driver's process keeps only the gateway and the model.
 
-A worker reaches the gateway two ways, and a program needs no change for either:
+A program in a worker is given the worker's own base URL, and needs no change:
 
-- over loopback HTTP at ``base_url``, like any client (a program that builds its own client);
-- through ``relax.agents.gateway_http.http_client(base_url)`` / ``async_http_client``: in a
-  worker these give a client whose requests travel over the worker's channel to the driver and are
-  answered by the same routes (the key checked, the per-key bound, the model call served on the
-  trajectory's thread); no socket, no HTTP parsing on either side.
+- a client of its own talks HTTP to the worker's server (``GatewayServer`` with the ``_Relaying``
+  routes), which parses it in the worker's interpreter and relays each request over the worker's
+  channel to the driver: the driver's process never parses a worker program's HTTP;
+- ``relax.agents.gateway_http.http_client(base_url)`` / ``async_http_client`` give a client whose
+  transport puts the request on the channel directly: no socket, no HTTP on either side.
+
+Either way the driver answers it with its routes (``Routes.call_dispatched``: the key checked, the
+per-key bound, the model call served on the trajectory's thread) and sends the answer back.
 
 The channel is a socket pair carrying pickled tuples (both ends are this package's own code):
 
-- driver to worker: ``("run", id, task, base_url, key)``, ``("cancel", id)``, ``("answer", call,
-  status, headers, body)``, ``("stop",)``;
-- worker to driver: ``("ready",)`` or ``("broken", why)`` once the program is imported, ``("call",
+- driver to worker: ``("run", id, task, key)``, ``("cancel", id)``, ``("answer", call, status,
+  headers, body)``, ``("stop",)``;
+- worker to driver: ``("ready",)`` or ``("broken", why)`` once the program is imported and the
+  worker's server listens, ``("call",
   call, method, path, headers, body)``, ``("done", id, outcome)``.
 
 A program's outcome crosses as plain values (``Outcome``): its checked reward, or its exception's
@@ -47,8 +51,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from relax.agents.gateway_http import Answer, register, request_parts
-from relax.agents.wire_formats import GatewayError
+from relax.agents.gateway_http import (
+    Admission,
+    Answer,
+    GatewayServer,
+    Relayed,
+    Routes,
+    base_url_of,
+    register,
+    request_parts,
+)
 
 #: Seconds a new worker may take to import the program before the run fails with that.
 START_TIMEOUT_S = 120.0
@@ -144,7 +156,8 @@ class Channel:
 class _Worker:
     """One worker process, its channel, and the runs it has not finished."""
 
-    def __init__(self, index: int, ref: str, on_call: Callable[[_Worker, tuple], None]) -> None:
+    def __init__(self, index: int, ref: str, on_call: Callable[[_Worker, tuple], None], host: str,
+                 max_active: int) -> None:
         self.index = index
         self.runs: dict[int, Callable[[Outcome], None]] = {}
         self.lock = threading.Lock()
@@ -158,7 +171,7 @@ class _Worker:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", "from relax.agents.program_processes import main; main()", str(child), ref,
-                 json.dumps(sys.path)],
+                 json.dumps(sys.path), host, str(max_active)],
                 pass_fds=(child,), stdin=subprocess.DEVNULL)
         finally:
             os.close(child)
@@ -230,9 +243,10 @@ class ProgramProcesses:
     """The worker processes of one ``ProgramDriver``: runs are spread over them (the least busy
     first), and their in-process clients' calls are answered by ``routes``."""
 
-    def __init__(self, ref: str, count: int, routes: Callable[[], Any]) -> None:
+    def __init__(self, ref: str, count: int, routes: Routes, host: str = "127.0.0.1",
+                 max_active: int = 256) -> None:
         self.ref, self.count = ref, count
-        self._routes = routes
+        self._routes, self._host, self._max_active = routes, host, max_active
         self._workers: list[_Worker | None] = [None] * count
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -246,15 +260,15 @@ class ProgramProcesses:
             worker.wait_ready(self.ref)
 
     def _start(self, index: int) -> _Worker:
-        worker = self._workers[index] = _Worker(index, self.ref, self._call)
+        worker = self._workers[index] = _Worker(index, self.ref, self._call, self._host, self._max_active)
         return worker
 
-    def run(self, task: Any, base_url: str, key: str, done: Callable[[Outcome], None]) -> Callable[[], Any]:
+    def run(self, task: Any, key: str, done: Callable[[Outcome], None]) -> Callable[[], Any]:
         """Start the program for one trajectory; ``done`` gets its outcome (on a channel's thread).
         Returns what cancels it (past its time limit)."""
         run = next(self._ids)
         try:
-            message = pickle.dumps(("run", run, task, base_url, key), protocol=pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps(("run", run, task, key), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             done(Outcome(error=f"the trajectory's task cannot be sent to the agent program's worker process "
                                f"({type(exc).__name__}: {exc}); keep the data row's values plain (text, numbers, "
@@ -288,12 +302,7 @@ class ProgramProcesses:
             head = [(name.decode(), value.decode()) for name, value in answer.head()]
             worker.channel.send(("answer", call, answer.status, head, b"".join(answer.chunks())))
 
-        routes = self._routes()
-        if routes is None:  # the gateway is stopping: the program's call gets what a socket would
-            reply(Answer(503, GatewayError(503, "the Relax gateway is stopping", kind="server_error",
-                                           code="server_busy").body()))
-            return
-        routes.call_dispatched(method, path, headers, body, reply)
+        self._routes.call_dispatched(method, path, headers, body, reply)
 
     def close(self) -> None:
         with self._lock:
@@ -307,17 +316,22 @@ class ProgramProcesses:
 
 
 class _Gateway:
-    """The gateway as a worker's programs see it: ``gateway_http.http_client(base_url)`` finds this
-    (registered under the base URL) and gets a client whose transport is the channel."""
+    """The gateway as a worker's programs see it, at the worker's own base URL: its HTTP server
+    (``_Relaying``) and, registered under that URL, the in-process clients
+    (``gateway_http.http_client``), both carrying each request over the channel to the driver."""
 
-    def __init__(self, base_url: str, channel: Channel, calls: dict[int, concurrent.futures.Future]) -> None:
-        self.base_url = base_url
+    def __init__(self, channel: Channel, calls: dict[int, concurrent.futures.Future], host: str,
+                 max_active: int) -> None:
         self._channel, self._calls = channel, calls
         self._ids = itertools.count()
         self._clients: dict[bool, Any] = {}
         self._lock = threading.Lock()
+        self.server = GatewayServer(_Relaying(self), host, 0, max_active=max_active)
+        self.base_url = base_url_of(host, self.server.server_address[1])
+        register(self.base_url, self)
 
     def request(self, method: str, path: str, headers: dict[str, str], body: bytes) -> concurrent.futures.Future:
+        """Send a request to the driver; the future gets its answer: status, headers, body."""
         call = next(self._ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._calls[call] = future
@@ -332,6 +346,23 @@ class _Gateway:
             if client is None:
                 client = self._clients[sync] = _channel_client(self, sync)
             return client
+
+
+class _Relaying(Admission):
+    """The routes of a worker's own HTTP server: the route, the method and the body's size are
+    checked here, before the body is read; the key, the per-key bound and the call itself by the
+    driver, to which each request is relayed. The HTTP of the worker's programs is thus parsed in
+    the worker's interpreter, not in the rollout's."""
+
+    def __init__(self, gateway: _Gateway) -> None:
+        self.gateway = gateway
+
+    def check_key(self, key: str | None) -> None:
+        """Checked by the driver, when the request reaches it (a worker knows no keys)."""
+
+    async def answer(self, method: str, path: str, headers: dict[str, str], raw: bytes) -> Answer:
+        status, head, content = await asyncio.wrap_future(self.gateway.request(method, path, headers, raw))
+        return Relayed(status, headers=head, content=content)
 
 
 def _channel_client(gateway: _Gateway, sync: bool) -> Any:
@@ -355,13 +386,13 @@ def _channel_client(gateway: _Gateway, sync: bool) -> Any:
     return httpx2.AsyncClient(transport=AsyncTransport(), base_url=gateway.base_url, timeout=None)
 
 
-def serve(fd: int, ref: str) -> None:
-    """A worker's life: import the program, then run what the driver sends until it says stop."""
+def serve(fd: int, ref: str, host: str, max_active: int) -> None:
+    """A worker's life: import the program, start its gateway, then run what the driver sends
+    until it says stop."""
     import inspect
 
     calls: dict[int, concurrent.futures.Future] = {}
     runs: dict[int, Any] = {}
-    gateways: dict[str, _Gateway] = {}
     stopped = threading.Event()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="relax-agent-programs", daemon=True).start()
@@ -396,15 +427,14 @@ def serve(fd: int, ref: str) -> None:
         channel.send(("broken", str(exc)))
         return
     is_async = inspect.iscoroutinefunction(program)
+    gateway = _Gateway(channel, calls, host, max_active)
+    base_url = gateway.base_url
 
     def finish(run: int, outcome: Outcome) -> None:
         runs.pop(run, None)
         channel.send(("done", run, outcome))
 
-    def start(run: int, task: Any, base_url: str, key: str) -> None:
-        if base_url not in gateways:
-            gateways[base_url] = _Gateway(base_url, channel, calls)
-            register(base_url, gateways[base_url])
+    def start(run: int, task: Any, key: str) -> None:
         if is_async:
             future = asyncio.run_coroutine_threadsafe(program(task, base_url, key), loop)
             runs[run] = future
@@ -444,7 +474,7 @@ async def _awaited(awaitable: Any) -> Any:
 def main() -> None:
     """The worker process's entry (``python -c``, so that its classes pickle under this module's name)."""
     sys.path[:] = json.loads(sys.argv[3])
-    serve(int(sys.argv[1]), sys.argv[2])
+    serve(int(sys.argv[1]), sys.argv[2], sys.argv[4], int(sys.argv[5]))
     # Program threads still blocked on a call are abandoned with the process (as a driver's are).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -54,12 +54,12 @@ def test_programs_in_worker_processes_record_the_tokens_programs_in_this_process
         by_here = _run(rollout, here, labels, tmp_path, "here")
         by_workers = _run(rollout, workers, labels, tmp_path, "workers")
         assert workers._server is not None
-        accepted = workers._server.accepted  # only the socket program's client connects
+        accepted, driver_url = workers._server.accepted, workers.base_url
     finally:
         here.close()
         workers.close()
-    assert accepted >= 1
-    pids = set()
+    assert accepted == 0  # the socket program talked HTTP to its worker's own server, which relayed it
+    pids, urls = set(), set()
     for j, (label, a, b) in enumerate(zip(labels, by_here, by_workers)):
         assert a.error is None and b.error is None, (a.error, b.error)
         assert len(b.turns) == 2 and b.final_text == SCRIPT[1]
@@ -68,11 +68,14 @@ def test_programs_in_worker_processes_record_the_tokens_programs_in_this_process
         seen_here, seen_there = _seen(tmp_path, "here", j, label), _seen(tmp_path, "workers", j, label)
         assert seen_here.pop("pid") == os.getpid()
         pids.add(seen_there.pop("pid"))
+        seen_here.pop("base_url")
+        urls.add(seen_there.pop("base_url"))
         if "first" in seen_here:  # what the client read: the same but for fresh call ids
             assert seen_there == {**seen_here, "first": {**seen_here["first"], "calls": seen_there["first"]["calls"]}}
         else:
             assert seen_there == seen_here == {"answer": SCRIPT[1]}
     assert len(pids) == 2 and os.getpid() not in pids  # spread over both workers
+    assert len(urls) == 2 and driver_url not in urls  # each worker's own server
     for pid in pids:  # close() ended them
         assert not Path(f"/proc/{pid}").exists()
 
@@ -94,16 +97,17 @@ def test_an_async_program_in_a_worker_runs_on_its_event_loop(omni_backends, tmp_
 
 def test_a_program_failing_in_a_worker_fails_its_trajectory_as_it_would_in_this_process(omni_backends, tmp_path):
     rollout, _ = omni_backends
-    labels = ["raise", "refused", "text", "ok"]
+    labels = ["raise", "refused", "badkey", "text", "ok"]
     here = _driver(rollout, f"{PROGRAMS}:failing_program", 0, tool_timeout_s=1.5, max_turns=1)
     workers = _driver(rollout, f"{PROGRAMS}:failing_program", 1, tool_timeout_s=1.5, max_turns=1)
     try:
         by_here = _run(rollout, here, labels, tmp_path, "here")
         by_workers = _run(rollout, workers, labels, tmp_path, "workers")
         assert [(t.error, t.cause) for t in by_workers] == [(t.error, t.cause) for t in by_here]
-        raised, refused, text, ok = by_workers
+        raised, refused, badkey, text, ok = by_workers
         assert raised.cause == "LookupError" and "raised LookupError: no tool for task 0" in raised.error
         assert refused.cause == "BadRequestError:context_length_exceeded"
+        assert badkey.cause == "AuthenticationError:invalid_api_key"  # the driver checked the relayed key
         assert text.cause == "program_bad_return" and "returned a str" in text.error
         assert ok.error is None and ok.agent_reward == 1.0
 
