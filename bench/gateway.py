@@ -39,8 +39,8 @@ model.options.intermediate_size=1024 model.options.head_dim=64``.
 Arms alternate within each repeat (drift on a shared machine hits all alike), and each repeat
 starts one arm later than the one before: no arm always goes first (when the environment arm did,
 it once took 18% longer than the next arm to generate the same first 1,024-row batch). Printed per
-arm: the median wall seconds per unit and its range, this process's CPU seconds (the workers' are
-not counted), turns per trajectory, model batches, and the most file descriptors and threads this
+arm: the median wall seconds per unit and its range, this process's CPU seconds (and the worker
+processes', apart), turns per trajectory, model batches, and the most file descriptors and threads this
 process and the arm's worker processes held together during the unit (sampled every 10 ms), then
 the ratios gateway arm / environment (issue 42 asks for at most 1.5x). ``--timeline`` prints each
 model batch of the last repeat: when it started, its rows and its seconds.
@@ -202,13 +202,23 @@ def client_alone_ms(calls: int = 300) -> float:
     return (time.process_time() - started) / calls * 1e3
 
 
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process ``pid`` has spent."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # it has exited (a restarted worker): its CPU is not counted
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Held:
     """The most file descriptors and threads this process and the agent program processes
-    ``children`` names hold together while it runs (sampled)."""
+    ``children`` names hold together while it runs (sampled), and the CPU seconds the children spend."""
 
     def __init__(self, children: list[int]) -> None:
         self.children = children
         self.fds = self.threads = 0
+        self.children_cpu = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -225,12 +235,14 @@ class Held:
             self.fds, self.threads = max(self.fds, fds), max(self.threads, threads)
 
     def __enter__(self) -> Held:
+        self._cpu = sum(_cpu_s(pid) for pid in self.children)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.children_cpu = sum(_cpu_s(pid) for pid in self.children) - self._cpu
 
 
 def main() -> None:
@@ -301,6 +313,7 @@ def main() -> None:
         run_trajectories(tasks[:4], driver, generate, 0)
     walls: dict[str, list[float]] = {arm: [] for arm in drivers}
     cpus: dict[str, list[float]] = {arm: [] for arm in drivers}
+    worker_cpus: dict[str, list[float]] = {arm: [] for arm in drivers}
     held: dict[str, tuple[int, int]] = {arm: (0, 0) for arm in drivers}
     turns: dict[str, float] = {}
     failed: dict[str, int] = {}
@@ -315,6 +328,7 @@ def main() -> None:
                 batch = run_trajectories(tasks, driver, generate, 1 + repeat)
                 walls[arm].append(time.perf_counter() - started)
                 cpus[arm].append(time.process_time() - cpu)
+            worker_cpus[arm].append(watch.children_cpu)
             if args.timeline and repeat == args.repeats - 1:
                 print(f"{arm}: " + ", ".join(f"{at - started:.2f} s: {rows} rows in {took:.2f} s"
                                               for at, rows, took in timeline), flush=True)
@@ -334,7 +348,9 @@ def main() -> None:
           f"{statistics.median(cpus['environment']) / n * 1e3:.2f} ms CPU a trajectory, model included")
     for arm, values in walls.items():
         print(f"{arm:16s} {statistics.median(values):7.2f} s/unit (range {min(values):.2f}-{max(values):.2f}), "
-              f"CPU {statistics.median(cpus[arm]):.2f} s, {turns[arm]:.2f} turns/trajectory, "
+              f"CPU {statistics.median(cpus[arm]):.2f} s"
+              f"{f' (+ workers {statistics.median(worker_cpus[arm]):.2f} s)' if '/' in arm else ''}, "
+              f"{turns[arm]:.2f} turns/trajectory, "
               f"{batches[arm]:.0f} model batches, {failed[arm]} failed, at most {held[arm][0]} fds and "
               f"{held[arm][1]} threads held")
     env = statistics.median(walls["environment"])
