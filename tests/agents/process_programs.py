@@ -1,6 +1,7 @@
 """Agent programs for ``test_program_processes``: they run in the gateway's worker processes, so
 what they saw is written to a file (the task's ``row["out"]`` folder, one JSON file per
-trajectory, with the process id and the base URL the program was given), not kept in a module dict the test could read."""
+trajectory, with the process id and the base URL the program was given), not kept in a module
+dict the test could read. Like ``client_loops``, free of torch: a worker starts in seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import openai
 
 from relax.agents import gateway_http
-from tests.agents.test_gateway_transport import anthropic_loop, async_tool_loop, tool_loop
+from tests.agents.client_loops import anthropic_loop, async_tool_loop, tool_loop
 
 
 def _write(task, base_url: str, seen: dict) -> None:
@@ -40,8 +41,8 @@ async def async_program(task, base_url: str, api_key: str) -> None:
 
 def failing_program(task, base_url: str, api_key: str) -> object:
     """Fails as its label says, after one call: ``raise``, ``refused`` (the call is refused: the
-    client's error with its code), ``badkey`` (a call under a wrong key), ``text`` (returns a string), ``exit`` (the process dies), ``sleep`` (past its time
-    limit); ``ok`` returns 1.0."""
+    client's error with its code), ``badkey`` (a call under a wrong key), ``text`` (returns a
+    string), ``exit`` (the process dies), ``sleep`` (past its time limit); ``ok`` returns 1.0."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                            http_client=gateway_http.http_client(base_url))
     prompt = task.prompt * 200 if task.label == "refused" else task.prompt  # past max_prompt_tokens: a 400

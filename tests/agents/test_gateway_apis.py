@@ -25,53 +25,16 @@ from relax.media import dumps_context
 from relax.roles import Column
 from relax.runtime.worker.rows import rollout_columns
 from relax.spec.models import AgentSpec, GatewaySpec
+from tests.agents.client_loops import ANTHROPIC_TOOL, CHAT_TOOL, RESPONSES_TOOL, streamed_chat
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
 SCRIPT = [CALL, "It is 42."]
-CHAT_TOOL = {"type": "function", "function": {
-    "name": "multiply", "description": "multiplies two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
-RESPONSES_TOOL = {"type": "function", **CHAT_TOOL["function"]}
-ANTHROPIC_TOOL = {"name": "multiply", "description": "multiplies two integers",
-                  "input_schema": CHAT_TOOL["function"]["parameters"]}
-
 #: What each program received, by trajectory id.
 SEEN: dict[str, dict] = {}
 
 
 def _openai(base_url: str, api_key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
-
-
-def _streamed_chat(client: openai.OpenAI, messages: list, stream: bool) -> dict:
-    """One chat call, streamed or not, as the text, tool calls, log-probs and usage the program read."""
-    if not stream:
-        reply = client.chat.completions.create(model="m", messages=messages, tools=[CHAT_TOOL], logprobs=True)
-        choice = reply.choices[0]
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return {"content": choice.message.content, "calls": calls, "finish": choice.finish_reason,
-                "logprobs": [t.logprob for t in choice.logprobs.content], "usage": reply.usage.completion_tokens}
-    content, calls, logprobs, finish, usage, roles = [], {}, [], None, None, []
-    for chunk in client.chat.completions.create(model="m", messages=messages, tools=[CHAT_TOOL], logprobs=True,
-                                                stream=True, stream_options={"include_usage": True}):
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            delta = choice.delta
-            roles += [delta.role] if delta.role else []
-            content += [delta.content] if delta.content else []
-            for call in delta.tool_calls or []:
-                slot = calls.setdefault(call.index, ["", "", ""])
-                slot[0] += call.id or ""
-                slot[1] += (call.function.name or "") if call.function else ""
-                slot[2] += (call.function.arguments or "") if call.function else ""
-            if choice.logprobs is not None and choice.logprobs.content:
-                logprobs += [t.logprob for t in choice.logprobs.content]
-            finish = choice.finish_reason or finish
-    assert roles == ["assistant"]
-    return {"content": "".join(content) or None, "calls": [tuple(calls[i]) for i in sorted(calls)],
-            "finish": finish, "logprobs": logprobs, "usage": usage}
 
 
 def chat_program(task: AgentTask, base_url: str, api_key: str) -> None:
@@ -81,7 +44,7 @@ def chat_program(task: AgentTask, base_url: str, api_key: str) -> None:
     messages: list = [{"role": "developer", "content": "Use the tools."}, {"role": "user", "content": task.prompt}]
     turns = []
     while True:
-        turn = _streamed_chat(client, messages, stream)
+        turn = streamed_chat(client, messages, stream)
         turns.append(turn)
         if not turn["calls"]:
             break

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 
-import anthropic
 import openai
 
 from relax.agents import gateway_http
@@ -18,22 +17,13 @@ from relax.agents.gateway import ProgramDriver
 from relax.agents.runner import AgentLimits, run_trajectories
 from relax.contracts import AgentTask
 from relax.spec.models import AgentSpec, GatewaySpec
-from tests.agents.test_gateway_apis import ANTHROPIC_TOOL, CHAT_TOOL, SCRIPT, _streamed_chat, forced
+from tests.agents.client_loops import anthropic_loop, async_tool_loop, tool_loop
+from tests.agents.test_gateway_apis import SCRIPT, forced
 
 #: What each program received, by trajectory id.
 SEEN: dict[str, dict] = {}
 #: One shared in-process client per gateway (by base URL), as a run would keep it.
 CLIENTS: dict[str, openai.OpenAI] = {}
-
-
-def tool_loop(client: openai.OpenAI, task: AgentTask) -> dict:
-    """Two turns: the model's tool call, answered 42, then its reply (streamed for the label ``stream``)."""
-    messages: list = [{"role": "user", "content": task.prompt}]
-    first = _streamed_chat(client, messages, task.label == "stream")
-    messages.append({"role": "assistant", "content": first["content"], "tool_calls": [
-        {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in first["calls"]]})
-    messages += [{"role": "tool", "tool_call_id": i, "content": "42"} for i, _, _ in first["calls"]]
-    return {"first": first, "second": _streamed_chat(client, messages, task.label == "stream")}
 
 
 def socket_program(task: AgentTask, base_url: str, api_key: str) -> None:
@@ -48,33 +38,8 @@ def in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
     SEEN[task.trajectory_id] = tool_loop(shared.with_options(api_key=api_key), task)
 
 
-async def async_tool_loop(task: AgentTask, base_url: str, api_key: str) -> dict:
-    """Two turns with ``openai.AsyncOpenAI`` and the async in-process client: a tool call, answered 42."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
-                                http_client=gateway_http.async_http_client(base_url))
-    messages: list = [{"role": "user", "content": task.prompt}]
-    first = await client.chat.completions.create(model="m", messages=messages, tools=[CHAT_TOOL])
-    (call,) = first.choices[0].message.tool_calls
-    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
-    second = await client.chat.completions.create(model="m", messages=messages, tools=[CHAT_TOOL])
-    return {"answer": second.choices[0].message.content}
-
-
 async def async_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
     SEEN[task.trajectory_id] = await async_tool_loop(task, base_url, api_key)
-
-
-def anthropic_loop(task: AgentTask, base_url: str, api_key: str) -> dict:
-    """Two turns with the ``anthropic`` client and the in-process client: a tool use, answered 42."""
-    client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0,
-                                 http_client=gateway_http.http_client(base_url))
-    messages: list = [{"role": "user", "content": task.prompt}]
-    first = client.messages.create(model="m", max_tokens=100, messages=messages, tools=[ANTHROPIC_TOOL])
-    (use,) = [block for block in first.content if block.type == "tool_use"]
-    messages += [{"role": "assistant", "content": first.content},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}]
-    second = client.messages.create(model="m", max_tokens=100, messages=messages, tools=[ANTHROPIC_TOOL])
-    return {"answer": second.content[0].text}
 
 
 def anthropic_in_process_program(task: AgentTask, base_url: str, api_key: str) -> None:
