@@ -2,6 +2,7 @@
 
     python bench/gateway.py [--trajectories 128] [--repeats 3] [--arms async_in_process/2,...] [--timeline]
                             [--set model.options.hidden_size=256 ...]
+    python bench/gateway.py --steps 8 --trajectories 1024 --arms async_in_process/2,sync_in_process/2
 
 Why: an agent program behind the gateway must not cost the run much over an environment plugin,
 or users keep their agents out of training (issue 42 measured 3.2x to 10x per step, with
@@ -35,6 +36,11 @@ generates on an NVIDIA GPU (the programs and the gateway stay on the CPU, as in 
 ratio where the model's time is a GPU's, e.g. ``python bench/gateway.py --device cuda
 --trajectories 1024 --set model.options.hidden_size=256 model.options.num_layers=4
 model.options.intermediate_size=1024 model.options.head_dim=64``.
+
+``--steps N`` measures s/step instead: the preset's own ``relax run`` (separate mode, on a local
+Ray, training included) for N steps per arm and repeat, ``--trajectories`` a step, all concurrent
+(``roles.rollout.agent.concurrency``); it prints each arm's median ``time/step_s`` after the first
+``--skip`` steps and its ratio to the environment's.
 
 Arms alternate within each repeat (drift on a shared machine hits all alike), and each repeat
 starts one arm later than the one before: no arm always goes first (when the environment arm did,
@@ -245,6 +251,46 @@ class Held:
         self.children_cpu = sum(_cpu_s(pid) for pid in self.children) - self._cpu
 
 
+def runs(args: argparse.Namespace, arms: tuple[str, ...]) -> None:
+    """``--steps``: the preset's own ``relax run`` (separate mode, a local Ray), one run per arm and
+    repeat, with ``--trajectories`` trajectories a step, all concurrent; the median ``time/step_s``
+    of each arm's steps after the first ``--skip`` (start-up), and its ratio to the environment's."""
+    from relax import testing
+
+    here = str(Path(__file__).parent)  # the programs (gateway:...) must import in Ray's processes too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    samples = 8  # the preset's algorithm.samples_per_prompt
+    common = [f"trainer.steps={args.steps}", "trainer.checkpoint_every=0",
+              f"algorithm.prompts_per_step={args.trajectories // samples}",
+              f"roles.rollout.agent.concurrency={args.trajectories}", *args.set]
+    overrides = {"environment": []}
+    for arm in arms:
+        program, _, processes = arm.partition("/")
+        overrides[arm] = ["roles.rollout.agent.environment=null",
+                          f"roles.rollout.agent.gateway.program=gateway:{program}_program",
+                          f"roles.rollout.agent.gateway.processes={processes or 0}"]
+    steps: dict[str, list[float]] = {arm: [] for arm in overrides}
+    order = list(overrides)
+    root = Path(tempfile.mkdtemp(prefix="relax-gateway-runs-"))
+    with testing.local_ray():
+        for repeat in range(args.repeats):
+            for arm in order[repeat % len(order):] + order[:repeat % len(order)]:
+                code, rows, printed = testing.tiny_run(root, f"{arm.replace('/', '-w')}-{repeat}", *common,
+                                                       *overrides[arm], preset="tiny-agent-cpu")
+                if code != 0:
+                    sys.exit(f"the {arm} run failed (exit {code}):\n{printed[-2000:]}")
+                took = [row["time/step_s"] for row in rows[args.skip:]]
+                steps[arm] += took
+                print(f"{arm}: " + ", ".join(f"{s:.2f}" for s in took) + " s/step; agent/failed "
+                      f"{max(row.get('agent/failed', 0) for row in rows):g}", flush=True)
+    print(f"relax run of the tiny agent preset, {args.trajectories} trajectories a step (all concurrent), "
+          f"{args.steps} steps, the first {args.skip} left out, {args.repeats} repeats, {os.cpu_count()} cores")
+    env = statistics.median(steps["environment"])
+    for arm, values in steps.items():
+        print(f"{arm:20s} {statistics.median(values):6.2f} s/step (range {min(values):.2f}-{max(values):.2f}), "
+              f"ratio to the environment {statistics.median(values) / env:.2f}  (issue 42: at most 1.5)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", type=int, default=128)
@@ -259,7 +305,15 @@ def main() -> None:
                         help="print each model batch of the last repeat: when it started, its rows, its seconds")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="spec overrides for the preset (e.g. model.options.hidden_size=256)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="instead of rollout units: the preset's relax run for this many steps per arm "
+                             "(s/step, training included)")
+    parser.add_argument("--skip", type=int, default=2, help="with --steps: the first steps left out (start-up)")
     args = parser.parse_args()
+    if args.steps:
+        if args.steps <= args.skip:
+            parser.error("--steps must be more than --skip")
+        return runs(args, tuple(arm for arm in args.arms.split(",") if arm))
 
     import torch
 
