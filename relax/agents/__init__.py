@@ -12,8 +12,8 @@ agent program's) observations, kept as the exact token sequence the model read a
 - ``runner``: runs a unit's trajectories side by side, batching the generate calls of those that
   wait for the model;
 - ``gateway``: the OpenAI-compatible endpoint an agent program drives the policy through;
-  ``gateway_http`` its server and in-process clients, ``program_processes`` the worker processes
-  programs may run in.
+  ``programs`` how a program is loaded and its end told back, ``gateway_http`` the server and
+  in-process clients, ``program_processes`` the worker processes programs may run in.
 
 Only ``runner`` and ``gateway`` touch a rollout backend; nothing here imports torch at module level.
 """

@@ -54,7 +54,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextvars
-import importlib
 import inspect
 import math
 import queue
@@ -88,7 +87,8 @@ from relax.agents.gateway_http import (
     register,
     unregister,
 )
-from relax.agents.program_processes import Outcome, ProgramProcesses, ProgramRaised, checked_reward
+from relax.agents.program_processes import ProgramProcesses
+from relax.agents.programs import Outcome, ProgramError, ProgramRaised, checked_reward, load_program
 from relax.agents.runner import AgentLimits, BackendFailure, GenerationBatcher
 from relax.agents.tool_calls import parse_tool_calls, resolve_format, turn_text
 from relax.agents.trajectory import Trajectory
@@ -125,29 +125,6 @@ __all__ = ["MAX_ACTIVE", "MAX_BODY_BYTES", "MAX_CALLS_PER_KEY", "ROUTES", "Progr
 CHAT_RENDERERS = 64
 #: The ``metadata`` key of a request through which a program reports the reward of the turn it asks for.
 TURN_REWARD_KEY = "relax.turn_reward"
-
-
-class ProgramError(ValueError):
-    """``roles.rollout.agent.gateway.program`` does not name a callable that can be imported."""
-
-
-def load_program(ref: str) -> Callable[..., Any]:
-    """The agent program ``package.module:function`` names (imported once, by the driver)."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: write it as package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: module {module_name!r} cannot be imported "
-                           f"({type(exc).__name__}: {exc}); install its package or put it on PYTHONPATH") from exc
-    program = getattr(module, attr, None)
-    if program is None:
-        raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: module {module_name!r} has no {attr!r}")
-    if not callable(program):
-        raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: {attr!r} is a {type(program).__name__}, "
-                           "not a callable; give a function program(task, base_url, api_key)")
-    return program
 
 
 @dataclass

@@ -39,7 +39,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
-import math
 import os
 import pickle
 import socket
@@ -47,7 +46,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -61,53 +59,12 @@ from relax.agents.gateway_http import (
     register,
     request_parts,
 )
+from relax.agents.programs import Outcome, ProgramError, checked_reward, load_program, raised
 
 #: Seconds a new worker may take to import the program before the run fails with that.
 START_TIMEOUT_S = 120.0
 #: Seconds a worker is given to exit after ``stop`` before it is killed.
 STOP_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a program run in a worker ended, as plain values.
-
-    ``reward`` (None: the reward plugins score it) when it returned one, else ``error``: the text the
-    trajectory keeps, with ``raised`` (the exception's type name) and ``code`` (an API client
-    error's code) when it raised, or ``cause`` (``program_bad_return``) when it returned something
-    that is not a reward."""
-
-    reward: float | None = None
-    error: str | None = None
-    raised: str | None = None
-    code: str | None = None
-    cause: str | None = None
-
-
-class ProgramRaised(Exception):
-    """A program in a worker raised: its exception's type name, message and code, as the driver's
-    own programs' exceptions are reported (``ProgramDriver.episode``)."""
-
-    def __init__(self, type_name: str, message: str, code: str | None) -> None:
-        super().__init__(message)
-        self.type_name, self.code = type_name, code
-
-
-def checked_reward(result: Any, name: str) -> Outcome:
-    """What a program returned, checked: a finite float or None is its reward; anything else an error."""
-    if isinstance(result, bool) or not (result is None or isinstance(result, (int, float))):
-        return Outcome(error=f"agent program {name}: returned a {type(result).__name__}; return the "
-                             "trajectory's reward (a float) or None (the reward plugins score it)",
-                       cause="program_bad_return")
-    if result is not None and not math.isfinite(float(result)):
-        return Outcome(error=f"agent program {name}: returned the reward {result!r}; a reward is a finite float",
-                       cause="program_bad_return")
-    return Outcome(reward=None if result is None else float(result))
-
-
-def raised(exc: BaseException) -> Outcome:
-    code = getattr(exc, "code", None)
-    return Outcome(error=str(exc), raised=type(exc).__name__, code=code if isinstance(code, str) and code else None)
 
 
 class Channel:
@@ -180,8 +137,6 @@ class _Worker:
         self.channel.start()
 
     def wait_ready(self, ref: str) -> None:
-        from relax.agents.gateway import ProgramError
-
         if not self._ready.wait(START_TIMEOUT_S):
             self.stop()
             raise ProgramError(f"roles.rollout.agent.gateway.program={ref!r}: its worker process did not start "
@@ -420,8 +375,6 @@ def serve(fd: int, ref: str, host: str, max_active: int) -> None:
 
     channel = Channel(Connection(fd), on_message, on_closed, name="relax-agent-program-channel")
     try:
-        from relax.agents.gateway import load_program
-
         program = load_program(ref)
     except Exception as exc:
         channel.send(("broken", str(exc)))
