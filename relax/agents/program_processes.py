@@ -83,7 +83,10 @@ class Channel:
 
     def send(self, message: tuple) -> bool:
         """Send ``message``; False when the other end has gone (the reader reports it)."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return self.send_pickled(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_pickled(self, data: bytes) -> bool:
+        """Send a message already pickled (``send``)."""
         try:
             with self._send_lock:
                 self._connection.send_bytes(data)
@@ -173,12 +176,13 @@ class _Worker:
             done(Outcome(error=f"the agent program's worker process exited with code {code} while it ran "
                                "this trajectory", cause="program_process_exited"))
 
-    def run(self, run: int, message: tuple, done: Callable[[Outcome], None]) -> bool:
+    def run(self, run: int, message: bytes, done: Callable[[Outcome], None]) -> bool:
+        """Send the pickled ``run`` message; False when the worker has gone (``done`` is not called)."""
         with self.lock:
             if not self.alive:
                 return False
             self.runs[run] = done
-        if not self.channel.send(message):
+        if not self.channel.send_pickled(message):
             with self.lock:
                 self.runs.pop(run, None)
             return False
@@ -238,7 +242,7 @@ class ProgramProcesses:
                 else:
                     worker = min(live, key=lambda w: len(w.runs))
             worker.wait_ready(self.ref)
-            if worker.run(run, pickle.loads(message), done):
+            if worker.run(run, message, done):  # pickled once, above: an unsendable task fails there
                 return lambda: worker.channel.send(("cancel", run))
         done(Outcome(error="the agent program's worker process could not be started for this trajectory",
                      cause="program_process_exited"))

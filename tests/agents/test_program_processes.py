@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,11 @@ def test_a_program_failing_in_a_worker_fails_its_trajectory_as_it_would_in_this_
         assert again.error is None and again.agent_reward == 1.0
         (second,) = workers._processes._workers
         assert second is not None and second is not first and second.process.poll() is None
+
+        unsendable = AgentTask(prompt="What is 6*7?", label="ok", row={"out": str(tmp_path), "lock": threading.Lock()},
+                               index=0, sample=0, trajectory_id="unsendable")
+        (kept,) = run_trajectories([unsendable], workers, forced(rollout, SCRIPT), 0).trajectories
+        assert kept.cause == "program_task_unsendable" and "cannot be sent" in kept.error
 
         started = time.monotonic()
         (slow,) = _run(rollout, workers, ["sleep"], tmp_path, "slow")  # past 1.5 s x (1 + 1)
