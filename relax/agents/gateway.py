@@ -450,9 +450,6 @@ class ProgramDriver:
         """Raise the 401 ``GatewayError`` unless ``key`` names a live trajectory (checked before a body is read)."""
         self._session(key)
 
-    def serving_routes(self) -> Routes:
-        return self.routes
-
     def _session(self, key: str | None) -> _Session:
         with self._lock:
             session = self._sessions.get(key or "")

@@ -69,9 +69,9 @@ class Served(Reachable, Protocol):
     def dispatch(self, key: str | None, work: Callable[[], Any], reply: Callable[[Any], None]) -> None:
         """Run ``work`` where the key's calls are served, and hand its result to ``reply``."""
 
-    def serving_routes(self) -> Routes:
-        """The driver's routes (every transport's: the socket's, the in-process clients', the
-        program workers' channels), so that they share one per-key bound."""
+    routes: Routes
+    """The driver's routes (every transport's: the socket's, the in-process clients', the program
+    workers' channels), so that they share one per-key bound."""
 
 
 #: The routes the gateway answers, each with the wire format it speaks.
@@ -566,7 +566,7 @@ def in_process_client(driver: Served, sync: bool) -> Any:
     """A new ``httpx2`` client whose transport is the driver's routes (``http_client``)."""
     import httpx2
 
-    routes = driver.serving_routes()
+    routes = driver.routes
 
     def response_of(answer: Answer, request: Any) -> Any:
         headers = [(name.decode(), value.decode()) for name, value in answer.head()]
